@@ -1,0 +1,1 @@
+"""Text "environments": prompt sets, reward functions and preference datasets (issue 4)."""

@@ -1,0 +1,1 @@
+"""Alignment trainers: SFT, reward model, RLHF PPO (placeholder package for issue 4)."""

@@ -1,0 +1,1 @@
+"""Control trainers: PPO over vectorized MJX environments."""

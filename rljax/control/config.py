@@ -1,0 +1,219 @@
+"""Configuration of the control PPO trainer, with bundled per-environment defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from rljax.ppo import LossAggregation, PPOConfig
+
+
+class ConfigError(ValueError):
+  """A configuration value is out of range; the message names the field and value."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ControlConfig:
+  """Everything that defines a control PPO run. Frozen; validated in ``__post_init__``.
+
+  Sizes: each training iteration collects ``batch_size`` trajectory segments of
+  ``unroll_length`` steps (``batch_size / num_envs`` sequential unrolls of all
+  ``num_envs`` environments), then runs ``num_epochs x num_minibatches`` SGD steps on
+  minibatches of ``batch_size / num_minibatches`` segments. In Brax's terms our
+  ``batch_size`` is Brax's ``batch_size * num_minibatches`` and ``num_epochs`` is its
+  ``num_updates_per_batch``.
+
+  Attributes:
+    env: registry name, e.g. ``"playground/CartpoleBalance"``.
+    num_timesteps: environment steps to train for (after action repeat).
+    num_envs: parallel environments.
+    unroll_length: steps per trajectory segment (``T``).
+    batch_size: segments per iteration; a multiple of ``num_envs``, divisible by
+      ``num_minibatches``. ``0`` means ``num_envs``.
+    num_minibatches: minibatches per epoch.
+    num_epochs: passes over each batch.
+    learning_rate: Adam step size.
+    lr_schedule: ``"constant"``, ``"linear"`` (to 0 at the end) or ``"cosine"``.
+    max_grad_norm: global gradient-norm clip (``None``: no clipping, as in Brax).
+    gamma: discount (``discounting`` in Brax).
+    gae_lambda: GAE lambda.
+    clip_eps: PPO ratio clip.
+    vf_coef: value loss weight.
+    entropy_coef: entropy bonus weight (``entropy_cost`` in Brax).
+    reward_scaling: rewards are multiplied by this for training.
+    normalize_observations: keep running observation statistics.
+    normalize_advantages: whiten advantages per minibatch.
+    policy_hidden / value_hidden / activation: network sizes.
+    episode_length: steps per episode (time limit); 0 means the environment's default.
+    action_repeat: physics steps per action.
+    num_evals: evaluations over the run (the first at step 0).
+    num_eval_envs: environments per evaluation, each running one full episode.
+    deterministic_eval: evaluate the mean action ``tanh(loc)``.
+    seed: PRNG seed; the same seed gives bitwise-equal runs on the same machine.
+    env_kwargs: extra keyword arguments for ``rljax.envs.make``.
+    keep_checkpoints: number of checkpoints orbax keeps.
+  """
+
+  env: str = "playground/CartpoleBalance"
+  num_timesteps: int = 5_000_000
+  num_envs: int = 256
+  unroll_length: int = 32
+  batch_size: int = 0
+  num_minibatches: int = 8
+  num_epochs: int = 4
+  learning_rate: float = 3e-4
+  lr_schedule: str = "constant"
+  max_grad_norm: float | None = None
+  gamma: float = 0.99
+  gae_lambda: float = 0.95
+  clip_eps: float = 0.2
+  vf_coef: float = 0.5
+  entropy_coef: float = 1e-2
+  reward_scaling: float = 1.0
+  normalize_observations: bool = True
+  normalize_advantages: bool = True
+  policy_hidden: tuple[int, ...] = (32, 32, 32, 32)
+  value_hidden: tuple[int, ...] = (256, 256, 256, 256, 256)
+  activation: str = "swish"
+  episode_length: int = 0
+  action_repeat: int = 1
+  num_evals: int = 10
+  num_eval_envs: int = 128
+  deterministic_eval: bool = True
+  seed: int = 0
+  env_kwargs: tuple[tuple[str, Any], ...] = ()
+  keep_checkpoints: int = 3
+
+  def __post_init__(self):
+    positive_ints = (
+        "num_timesteps", "num_envs", "unroll_length", "num_minibatches", "num_epochs",
+        "action_repeat", "num_evals", "num_eval_envs",
+    )  # fmt: skip
+    for name in positive_ints:
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}.")
+    for name in ("batch_size", "episode_length"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{name} must be a non-negative integer, got {value!r}.")
+    if not self.learning_rate > 0:
+      raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate!r}.")
+    if self.lr_schedule not in ("constant", "linear", "cosine"):
+      raise ConfigError(
+          f"lr_schedule must be 'constant', 'linear' or 'cosine', got {self.lr_schedule!r}."
+      )
+    if not 0 < self.gamma <= 1 or not 0 <= self.gae_lambda <= 1:
+      raise ConfigError(
+          f"need 0 < gamma <= 1 and 0 <= gae_lambda <= 1, got {self.gamma}, {self.gae_lambda}."
+      )
+    if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+      raise ConfigError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}.")
+    if not self.reward_scaling > 0:
+      raise ConfigError(f"reward_scaling must be > 0, got {self.reward_scaling!r}.")
+    object.__setattr__(self, "policy_hidden", tuple(self.policy_hidden))
+    object.__setattr__(self, "value_hidden", tuple(self.value_hidden))
+    object.__setattr__(self, "env_kwargs", tuple(tuple(kv) for kv in self.env_kwargs))
+    batch = self.segments_per_iteration
+    if batch % self.num_envs:
+      raise ConfigError(
+          f"batch_size={batch} must be a multiple of num_envs={self.num_envs} "
+          f"(each unroll steps all environments once)."
+      )
+    if batch % self.num_minibatches:
+      raise ConfigError(
+          f"batch_size={batch} is not divisible by num_minibatches={self.num_minibatches}."
+      )
+    self.ppo  # validates the PPO fields
+
+  @property
+  def segments_per_iteration(self) -> int:
+    return self.batch_size or self.num_envs
+
+  @property
+  def unrolls_per_iteration(self) -> int:
+    return self.segments_per_iteration // self.num_envs
+
+  @property
+  def env_steps_per_iteration(self) -> int:
+    return self.segments_per_iteration * self.unroll_length * self.action_repeat
+
+  @property
+  def ppo(self) -> PPOConfig:
+    return PPOConfig(
+        clip_eps=self.clip_eps,
+        vf_coef=self.vf_coef,
+        entropy_coef=self.entropy_coef,
+        normalize_advantages=self.normalize_advantages,
+        loss_aggregation=LossAggregation.TOKEN_MEAN,
+        num_epochs=self.num_epochs,
+        num_minibatches=self.num_minibatches,
+    )
+
+  def to_json(self) -> str:
+    return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+  @classmethod
+  def from_json(cls, text: str) -> "ControlConfig":
+    d = json.loads(text)
+    for k in ("policy_hidden", "value_hidden"):
+      d[k] = tuple(d[k])
+    d["env_kwargs"] = tuple(tuple(kv) for kv in d.get("env_kwargs", ()))
+    return cls(**d)
+
+  def replace(self, **changes) -> "ControlConfig":
+    return dataclasses.replace(self, **changes)
+
+
+# Per-environment defaults: what `experiments/train_control.py --env=NAME` uses before
+# flags override it. Tuned on a 2-core CPU; see benchmarks/README.md.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "playground/CartpoleBalance": dict(
+        num_timesteps=20_000_000,
+        num_envs=1024,
+        unroll_length=16,
+        num_minibatches=8,
+        num_epochs=4,
+        learning_rate=1e-3,
+        lr_schedule="linear",
+        gamma=0.99,
+        entropy_coef=1e-2,
+        reward_scaling=1.0,
+        policy_hidden=(64, 64),
+        value_hidden=(128, 128),
+        num_evals=10,
+    ),
+    "playground/CheetahRun": dict(
+        num_timesteps=5_000_000,
+        num_envs=256,
+        unroll_length=32,
+        num_minibatches=8,
+        num_epochs=4,
+        learning_rate=1e-3,
+        gamma=0.99,
+        entropy_coef=1e-2,
+        policy_hidden=(64, 64),
+        value_hidden=(128, 128),
+        num_evals=10,
+    ),
+    "brax/ant": dict(
+        num_timesteps=5_000_000,
+        num_envs=256,
+        unroll_length=16,
+        num_minibatches=8,
+        num_epochs=4,
+        learning_rate=3e-4,
+        gamma=0.97,
+        entropy_coef=1e-2,
+        reward_scaling=10.0,
+        policy_hidden=(64, 64),
+        value_hidden=(128, 128),
+        num_evals=10,
+    ),
+}
+
+
+def default_config(env: str) -> ControlConfig:
+  """The bundled defaults for ``env`` (generic defaults for environments not listed)."""
+  return ControlConfig(env=env, **_DEFAULTS.get(env, {}))

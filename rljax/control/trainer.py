@@ -1,0 +1,489 @@
+"""PPO for MJX control: one jitted train step (rollout + GAE + ``ppo_update``), host loop.
+
+Data flow of one training iteration (all inside one compiled function)::
+
+    lax.scan over unroll_length:  normalise(obs) -> policy -> u ~ N, a = tanh(u)
+                                  -> vmapped env.step (the libraries' auto-reset wrappers)
+    -> transitions [B, T] -> values V(s_t), V(s'_t) -> compute_gae -> ppo_update
+    -> observation statistics updated with this rollout's observations
+
+Several iterations run in one ``lax.scan`` between evaluations, so a whole run compiles
+three functions: reset, the training chunk, and the evaluation.
+
+The observation statistics used to act are the same ones used in the update, and they
+are refreshed only after it, so at the first minibatch of the first epoch the PPO
+ratio is exactly 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import time
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from rljax import checkpoint as ckpt
+from rljax import envs
+from rljax import metrics as metrics_lib
+from rljax import ppo
+from rljax import running_stats
+from rljax.control.config import ControlConfig
+from rljax.models import mlp
+
+Array = jax.Array
+
+
+class TrainState(NamedTuple):
+  """The whole learner state carried between compiled steps.
+
+  Attributes:
+    params: ``nnx.State`` of the `ActorCritic`.
+    opt_state: optax state.
+    obs_stats: observation normaliser statistics.
+    key: ``[2]`` uint32 PRNG key.
+    iteration: ``[]`` int32 number of training iterations done.
+  """
+
+  params: Any
+  opt_state: Any
+  obs_stats: running_stats.RunningStats
+  key: Array
+  iteration: Array
+
+
+class Networks(NamedTuple):
+  """Static pieces: the NNX graph definition and the network config."""
+
+  graphdef: Any
+  config: mlp.ActorCriticConfig
+
+
+def _obs_size(env) -> int:
+  size = env.observation_size
+  if isinstance(size, int):
+    return size
+  if isinstance(size, (tuple, list)) and len(size) == 1:
+    return int(size[0])
+  raise ValueError(
+      f"rljax's MLP policy needs a flat observation vector; this environment's "
+      f"observation_size is {size!r}."
+  )
+
+
+def make_networks(config: ControlConfig, env, key: Array) -> tuple[Networks, Any]:
+  """Builds the actor-critic for ``env``; returns ``(networks, params)``."""
+  net_config = mlp.ActorCriticConfig(
+      observation_size=_obs_size(env),
+      action_size=int(env.action_size),
+      policy_hidden=config.policy_hidden,
+      value_hidden=config.value_hidden,
+      activation=config.activation,
+  )
+  model = mlp.ActorCritic(net_config, rngs=nnx.Rngs(params=key))
+  graphdef, params = nnx.split(model, nnx.Param)
+  return Networks(graphdef, net_config), params
+
+
+def make_optimizer(config: ControlConfig, total_iterations: int) -> optax.GradientTransformation:
+  """Adam with global-norm clipping and the configured learning-rate schedule."""
+  total_steps = max(total_iterations * config.num_epochs * config.num_minibatches, 1)
+  lr = config.learning_rate
+  if config.lr_schedule == "linear":
+    lr = optax.linear_schedule(config.learning_rate, 0.0, total_steps)
+  elif config.lr_schedule == "cosine":
+    lr = optax.cosine_decay_schedule(config.learning_rate, total_steps)
+  if config.max_grad_norm is None:
+    return optax.adam(lr)
+  return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), optax.adam(lr))
+
+
+def policy_apply(networks: Networks, params, obs_norm: Array) -> tuple[Array, Array]:
+  """``obs [..., D]`` (normalised) -> ``(loc, scale)`` of the pre-tanh Gaussian."""
+  model = nnx.merge(networks.graphdef, params)
+  return model.policy_params(obs_norm)
+
+
+def value_apply(networks: Networks, params, obs_norm: Array) -> Array:
+  model = nnx.merge(networks.graphdef, params)
+  return model.value_fn(obs_norm)
+
+
+def ppo_apply_fn(networks: Networks) -> ppo.ApplyFn:
+  """The control side of ``ppo_update``: ``(params, minibatch) -> (log_probs, values, entropy)``."""
+
+  def apply(params, minibatch):
+    model = nnx.merge(networks.graphdef, params)
+    loc, scale = model.policy_params(minibatch["obs"])
+    log_probs = mlp.squashed_log_prob(minibatch["raw_actions"], loc, scale)
+    values = model.value_fn(minibatch["obs"])
+    return log_probs, values, mlp.gaussian_entropy(scale)
+
+  return apply
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainer:
+  """The compiled pieces of a control PPO run; build with `make_trainer`.
+
+  Attributes:
+    config: the run's config.
+    networks: graph definition and sizes of the actor-critic.
+    env: the batched training environment.
+    eval_env: the batched evaluation environment (Brax's ``EvalWrapper``).
+    optimizer: optax transformation.
+    iterations_per_chunk: training iterations per compiled call.
+    num_chunks: compiled calls per run (one evaluation after each).
+  """
+
+  config: ControlConfig
+  networks: Networks
+  env: Any
+  eval_env: Any
+  optimizer: optax.GradientTransformation
+  iterations_per_chunk: int
+  num_chunks: int
+  episode_length: int
+
+  @property
+  def env_steps_per_chunk(self) -> int:
+    return self.iterations_per_chunk * self.config.env_steps_per_iteration
+
+  def init(self, params) -> tuple[TrainState, Any]:
+    """Initial train state and environment state for ``params``."""
+    c = self.config
+    key = jax.random.PRNGKey(c.seed)
+    _, key_env, key_train = jax.random.split(key, 3)
+    ts = TrainState(
+        params=params,
+        opt_state=self.optimizer.init(params),
+        obs_stats=running_stats.init(self.networks.config.observation_size),
+        key=key_train,
+        iteration=jnp.zeros((), jnp.int32),
+    )
+    env_state = jax.jit(self.env.reset)(jax.random.split(key_env, c.num_envs))
+    return ts, env_state
+
+  # -- the compiled training iteration --------------------------------------------------
+
+  def _unroll(self, ts: TrainState, env_state, key: Array):
+    """``unroll_length`` steps of all environments; returns leaves ``[T, B, ...]``."""
+    networks, stats = self.networks, ts.obs_stats
+
+    def step(state, step_key):
+      obs_n = running_stats.normalize(stats, state.obs)
+      loc, scale = policy_apply(networks, ts.params, obs_n)
+      u = mlp.sample_pre_tanh(step_key, loc, scale)
+      next_state = self.env.step(state, jnp.tanh(u))
+      transition = dict(
+          obs=state.obs,
+          raw_actions=u,
+          log_probs=mlp.squashed_log_prob(u, loc, scale),
+          rewards=next_state.reward,
+          dones=next_state.done,
+          truncation=next_state.info["truncation"],
+          final_obs=next_state.info[envs.FINAL_OBS_KEY],
+      )
+      return next_state, transition
+
+    keys = jax.random.split(key, self.config.unroll_length)
+    return jax.lax.scan(step, env_state, keys)
+
+  def _iteration(self, carry, _):
+    ts, env_state = carry
+    c = self.config
+    key, key_roll, key_update = jax.random.split(ts.key, 3)
+
+    def one_unroll(env_state, k):
+      return self._unroll(ts, env_state, k)
+
+    env_state, data = jax.lax.scan(
+        one_unroll, env_state, jax.random.split(key_roll, c.unrolls_per_iteration)
+    )
+    # [U, T, B, ...] -> [U * B, T, ...]: one row per trajectory segment.
+    data = jax.tree.map(
+        lambda x: jnp.swapaxes(x, 1, 2).reshape((-1, c.unroll_length) + x.shape[3:]), data
+    )
+    stats = ts.obs_stats
+    obs_n = running_stats.normalize(stats, data["obs"])
+    values = value_apply(self.networks, ts.params, obs_n)
+    bootstrap = value_apply(
+        self.networks, ts.params, running_stats.normalize(stats, data["final_obs"])
+    )
+    truncation = data["truncation"].astype(jnp.float32)
+    discounts = 1.0 - data["dones"].astype(jnp.float32) * (1.0 - truncation)
+    advantages, returns = ppo.compute_gae(
+        data["rewards"] * c.reward_scaling,
+        values,
+        bootstrap,
+        discounts,
+        gamma=c.gamma,
+        gae_lambda=c.gae_lambda,
+        truncation=truncation,
+    )
+    batch = dict(
+        obs=obs_n,
+        raw_actions=data["raw_actions"],
+        log_probs=data["log_probs"],
+        values=values,
+        advantages=advantages,
+        returns=returns,
+        mask=jnp.ones_like(values),
+    )
+    state, update_metrics = ppo.ppo_update(
+        ppo.PPOState(ts.params, ts.opt_state),
+        batch,
+        key_update,
+        apply_fn=ppo_apply_fn(self.networks),
+        optimizer=self.optimizer,
+        config=c.ppo,
+    )
+    if c.normalize_observations:
+      stats = running_stats.update(stats, data["obs"])
+    new_ts = TrainState(state.params, state.opt_state, stats, key, ts.iteration + 1)
+    update_metrics["train/reward_per_step"] = jnp.mean(data["rewards"])
+    update_metrics["train/episodes_done"] = jnp.sum(data["dones"])
+    return (new_ts, env_state), update_metrics
+
+  @functools.cached_property
+  def train_chunk(self) -> Callable:
+    """``jit((ts, env_state) -> (ts, env_state, metrics))`` over ``iterations_per_chunk``.
+
+    The train state and environment state are donated.
+    """
+
+    def chunk(ts, env_state):
+      (ts, env_state), m = jax.lax.scan(
+          self._iteration, (ts, env_state), None, length=self.iterations_per_chunk
+      )
+      return ts, env_state, jax.tree.map(jnp.mean, m)
+
+    return jax.jit(chunk, donate_argnums=(0, 1))
+
+  @functools.cached_property
+  def evaluate(self) -> Callable:
+    """``jit((params, obs_stats, key) -> metrics)``: one full episode per eval env."""
+    c, networks = self.config, self.networks
+    n_steps = self.episode_length // c.action_repeat
+
+    def run(params, obs_stats, key):
+      key_reset, key_act = jax.random.split(key)
+      state = self.eval_env.reset(jax.random.split(key_reset, c.num_eval_envs))
+
+      def step(state, k):
+        obs_n = running_stats.normalize(obs_stats, state.obs)
+        loc, scale = policy_apply(networks, params, obs_n)
+        u = loc if c.deterministic_eval else mlp.sample_pre_tanh(k, loc, scale)
+        return self.eval_env.step(state, jnp.tanh(u)), ()
+
+      state, _ = jax.lax.scan(step, state, jax.random.split(key_act, n_steps))
+      eval_metrics = state.info["eval_metrics"]
+      rewards = eval_metrics.episode_metrics["reward"]
+      return {
+          "eval/episode_reward": jnp.mean(rewards),
+          "eval/episode_reward_std": jnp.std(rewards),
+          "eval/episode_length": jnp.mean(eval_metrics.episode_steps),
+      }
+
+    return jax.jit(run)
+
+
+def make_trainer(config: ControlConfig, params_key: Array | None = None):
+  """Builds the environments, networks and optimizer; returns ``(trainer, params)``.
+
+  Raises:
+    rljax.envs.UnknownEnvError: unknown ``config.env``.
+  """
+  from brax.envs.wrappers import training as brax_training
+
+  env = envs.make(config.env, **dict(config.env_kwargs))
+  episode_length = config.episode_length or envs.default_episode_length(config.env)
+  train_env = envs.wrap_for_training(
+      env, episode_length=episode_length, action_repeat=config.action_repeat
+  )
+  eval_env = brax_training.EvalWrapper(
+      envs.wrap_for_training(env, episode_length=episode_length, action_repeat=config.action_repeat)
+  )
+  num_chunks = max(config.num_evals - 1, 1)
+  total_iterations = max(math.ceil(config.num_timesteps / config.env_steps_per_iteration), 1)
+  iterations_per_chunk = max(math.ceil(total_iterations / num_chunks), 1)
+  if params_key is None:
+    params_key = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)
+  networks, params = make_networks(config, env, params_key)
+  optimizer = make_optimizer(config, iterations_per_chunk * num_chunks)
+  trainer = Trainer(
+      config=config,
+      networks=networks,
+      env=train_env,
+      eval_env=eval_env,
+      optimizer=optimizer,
+      iterations_per_chunk=iterations_per_chunk,
+      num_chunks=num_chunks,
+      episode_length=episode_length,
+  )
+  return trainer, params
+
+
+class TrainResult(NamedTuple):
+  """What `train` returns: final state, the evaluation history and wall times."""
+
+  train_state: TrainState
+  history: list[dict[str, float]]
+  wall_s: float
+  compile_s: float
+
+
+def _policy_item(ts: TrainState) -> dict[str, Any]:
+  return {"params": nnx.to_pure_dict(ts.params), "obs_stats": ts.obs_stats._asdict()}
+
+
+def train(
+    config: ControlConfig,
+    logdir: str | None = None,
+    *,
+    progress: bool = True,
+    checkpoints: bool = True,
+) -> TrainResult:
+  """Trains ``config`` end to end: evaluation, logging and checkpoints in the host loop.
+
+  Writes to ``logdir`` (if given): ``metrics.jsonl``, TensorBoard events,
+  ``learning_curve.png``, ``checkpoints/`` (orbax) with ``checkpoints/config.json``.
+
+  Returns:
+    `TrainResult`.
+
+  Raises:
+    rljax.control.config.ConfigError, rljax.envs.UnknownEnvError: bad settings, before
+      anything compiles.
+  """
+  t_start = time.perf_counter()
+  trainer, params = make_trainer(config)
+  writer = None
+  manager = None
+  if logdir is not None:
+    writer = metrics_lib.MetricsWriter(
+        logdir,
+        total=trainer.num_chunks * trainer.env_steps_per_chunk if progress else None,
+        console_keys=("eval/episode_reward", "sps"),
+    )
+    if checkpoints:
+      ckpt.write_json_atomic(
+          os.path.join(ckpt.checkpoint_dir(logdir), ckpt.CONFIG_FILE),
+          {
+              "control": json.loads(config.to_json()),
+              "network": dataclasses.asdict(trainer.networks.config),
+          },
+      )
+      manager = ckpt.make_manager(logdir, max_to_keep=config.keep_checkpoints)
+
+  ts, env_state = trainer.init(params)
+  eval_key = jax.random.PRNGKey(config.seed + 10_000)
+  history: list[dict[str, float]] = []
+  compile_s = 0.0
+  env_steps = 0
+
+  def log(chunk: int, m: dict[str, Any]):
+    record = {k: float(v) for k, v in m.items()}
+    record["env_steps"] = env_steps
+    history.append(dict(record, step=chunk))
+    if writer is not None:
+      writer.write(chunk, record, progress=env_steps)
+
+  t0 = time.perf_counter()
+  ev = trainer.evaluate(ts.params, ts.obs_stats, jax.random.fold_in(eval_key, 0))
+  ev = jax.device_get(ev)
+  eval_s = time.perf_counter() - t0
+  compile_s += eval_s
+  log(0, dict(ev, **{"timing/eval_s": eval_s, "sps": 0.0}))
+
+  for chunk in range(1, trainer.num_chunks + 1):
+    t0 = time.perf_counter()
+    ts, env_state, train_metrics = trainer.train_chunk(ts, env_state)
+    train_metrics = jax.device_get(train_metrics)
+    train_s = time.perf_counter() - t0
+    if chunk == 1:
+      # The first call includes compilation; measure it by timing a second call's
+      # duration in the next chunk, and attribute the difference here.
+      first_train_s = train_s
+    env_steps += trainer.env_steps_per_chunk
+    t1 = time.perf_counter()
+    ev = jax.device_get(trainer.evaluate(ts.params, ts.obs_stats, jax.random.fold_in(eval_key, chunk)))
+    eval_s = time.perf_counter() - t1
+    if chunk == 2:
+      compile_s += max(first_train_s - train_s, 0.0)
+    record = dict(train_metrics)
+    record.update(ev)
+    record.update({
+        "sps": trainer.env_steps_per_chunk / train_s,
+        "timing/train_s": train_s,
+        "timing/eval_s": eval_s,
+        "timing/wall_s": time.perf_counter() - t_start,
+    })
+    log(chunk, record)
+    if manager is not None:
+      ckpt.save(manager, chunk, _policy_item(ts), {
+          "opt_state": ts.opt_state,
+          "key": ts.key,
+          "iteration": ts.iteration,
+          "env_steps": np.int64(env_steps),
+      })
+
+  wall_s = time.perf_counter() - t_start
+  if writer is not None:
+    writer.close()
+    metrics_lib.plot_learning_curve(
+        writer.jsonl_path,
+        os.path.join(logdir, "learning_curve.png"),
+        title=f"{config.env} (PPO, rljax)",
+    )
+  if manager is not None:
+    manager.close()
+  return TrainResult(ts, history, wall_s, compile_s)
+
+
+def load_policy(logdir: str, *, step: int | None = None, deterministic: bool = True):
+  """Rebuilds the trained policy from ``<logdir>/checkpoints`` alone.
+
+  Returns:
+    ``policy(obs [..., D] float32, key) -> actions [..., A]`` in ``[-1, 1]``, jitted;
+    the observation normaliser is applied inside. With ``deterministic=True`` the key
+    is ignored and the action is ``tanh(loc)``.
+
+  Raises:
+    FileNotFoundError: no checkpoint or config under ``logdir``.
+  """
+  saved = ckpt.read_config(logdir)
+  net_config = mlp.ActorCriticConfig(
+      **{
+          k: tuple(v) if isinstance(v, list) else v
+          for k, v in saved["network"].items()
+      }
+  )
+  abstract = nnx.eval_shape(lambda: mlp.ActorCritic(net_config, rngs=nnx.Rngs(0)))
+  graphdef, abstract_params = nnx.split(abstract, nnx.Param)
+  target = {
+      "params": nnx.to_pure_dict(abstract_params),
+      "obs_stats": running_stats.init(net_config.observation_size)._asdict(),
+  }
+  restored = ckpt.restore_policy(logdir, target, step)
+  params = abstract_params
+  nnx.replace_by_pure_dict(params, restored["params"])
+  stats = running_stats.RunningStats(**restored["obs_stats"])
+  networks = Networks(graphdef, net_config)
+
+  @jax.jit
+  def policy(obs: Array, key: Array | None = None) -> Array:
+    loc, scale = policy_apply(networks, params, running_stats.normalize(stats, obs))
+    if deterministic or key is None:
+      return jnp.tanh(loc)
+    return jnp.tanh(mlp.sample_pre_tanh(key, loc, scale))
+
+  return policy

@@ -1,0 +1,145 @@
+"""Metric writers for both trainers: console progress bar, JSONL, TensorBoard, plots.
+
+``MetricsWriter`` fans one ``write(step, metrics)`` out to
+
+* ``<logdir>/metrics.jsonl``: one JSON object per log step (``{"step": ..., ...}``);
+* TensorBoard event files in ``<logdir>`` (tensorboardX);
+* a ``tqdm`` progress bar with rate and ETA on the console.
+
+``plot_learning_curve`` turns the JSONL into ``learning_curve.png`` with matplotlib.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+
+def _to_float(x: Any) -> float:
+  return float(np.asarray(x))
+
+
+class MetricsWriter:
+  """Writes scalar metrics to JSONL, TensorBoard and a console progress bar.
+
+  Args:
+    logdir: the run's directory (created if missing).
+    total: the progress bar's total (e.g. ``num_timesteps``); ``None`` disables it.
+    unit: the progress bar's unit (``"steps"``).
+    console_keys: metrics shown beside the bar.
+    tensorboard: write TensorBoard event files.
+
+  Raises:
+    OSError: if ``logdir`` cannot be created or written.
+  """
+
+  def __init__(
+      self,
+      logdir: str,
+      *,
+      total: int | None = None,
+      unit: str = "steps",
+      console_keys: Sequence[str] = (),
+      tensorboard: bool = True,
+  ):
+    os.makedirs(logdir, exist_ok=True)
+    self.logdir = logdir
+    self.jsonl_path = os.path.join(logdir, "metrics.jsonl")
+    self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+    self._tb = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter
+
+      self._tb = SummaryWriter(logdir=logdir, flush_secs=10)
+    self._bar = None
+    if total is not None:
+      from tqdm.auto import tqdm
+
+      self._bar = tqdm(total=total, unit=unit, unit_scale=True, dynamic_ncols=True)
+    self._console_keys = tuple(console_keys)
+    self._progress = 0
+
+  def write(self, step: int, metrics: Mapping[str, Any], *, progress: int | None = None) -> None:
+    """Records ``metrics`` at ``step``; ``progress`` (absolute) advances the bar."""
+    record = {"step": int(step)}
+    for k, v in metrics.items():
+      f = _to_float(v)
+      record[k] = f if math.isfinite(f) else str(f)
+    self._jsonl.write(json.dumps(record) + "\n")
+    self._jsonl.flush()
+    if self._tb is not None:
+      for k, v in record.items():
+        if k != "step" and isinstance(v, float):
+          self._tb.add_scalar(k, v, global_step=int(step))
+    if self._bar is not None:
+      if progress is not None and progress > self._progress:
+        self._bar.update(progress - self._progress)
+        self._progress = progress
+      shown = {k.split("/")[-1]: f"{record[k]:.4g}" for k in self._console_keys if k in record}
+      if shown:
+        self._bar.set_postfix(shown, refresh=True)
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()
+    if self._tb is not None:
+      self._tb.close()
+    self._jsonl.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+  """Reads a ``metrics.jsonl`` file into a list of dicts."""
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_learning_curve(
+    jsonl_path: str,
+    out_path: str,
+    *,
+    x: str = "env_steps",
+    y: Sequence[str] = ("eval/episode_reward",),
+    title: str | None = None,
+) -> str:
+  """Plots ``y`` against ``x`` from a metrics JSONL file to a PNG; returns ``out_path``.
+
+  Raises:
+    ValueError: if no record holds both ``x`` and any of ``y``.
+  """
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  records = read_jsonl(jsonl_path)
+  fig, ax = plt.subplots(figsize=(6, 4))
+  plotted = False
+  for key in y:
+    pts = [(r[x], r[key]) for r in records if x in r and isinstance(r.get(key), (int, float))]
+    if pts:
+      xs, ys = zip(*pts)
+      ax.plot(xs, ys, marker="o", label=key)
+      plotted = True
+  if not plotted:
+    plt.close(fig)
+    raise ValueError(f"{jsonl_path} has no records with {x!r} and any of {list(y)}.")
+  ax.set_xlabel(x)
+  ax.set_ylabel(", ".join(y))
+  ax.grid(alpha=0.3)
+  ax.legend()
+  if title:
+    ax.set_title(title)
+  fig.tight_layout()
+  fig.savefig(out_path, dpi=100)
+  plt.close(fig)
+  return out_path

@@ -1,0 +1,411 @@
+"""The shared PPO core: GAE, the clipped surrogate loss and the minibatch-epoch update.
+
+Everything here is a pure function over arrays or pytrees and knows nothing of MuJoCo
+or tokens. Both trainers (``rljax.control`` and ``rljax.alignment``) feed it.
+
+Layout: time-indexed arrays are **batch-major**, ``[B, T]`` (``B`` sequences or
+environments, ``T`` steps or tokens). ``mask`` is 1.0 for real steps and 0.0 for padding.
+
+References:
+  Schulman et al., 2016, "High-Dimensional Continuous Control Using Generalized
+  Advantage Estimation" (GAE), https://arxiv.org/abs/1506.02438.
+  Schulman et al., 2017, "Proximal Policy Optimization Algorithms",
+  https://arxiv.org/abs/1707.06347.
+  Yu et al., 2025, "DAPO" (clip-higher, token-level aggregation),
+  https://arxiv.org/abs/2503.14476.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Callable, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+Array = jax.Array
+PyTree = Any
+
+
+def compute_gae(
+    rewards: Array,
+    values: Array,
+    bootstrap_values: Array,
+    discounts: Array,
+    mask: Array | None = None,
+    *,
+    gamma: float,
+    gae_lambda: float,
+    truncation: Array | None = None,
+) -> tuple[Array, Array]:
+  r"""Generalized advantage estimation, as a reverse ``lax.scan`` over time.
+
+  For every step ``t`` (Schulman et al. 2016, eq. 16)::
+
+      delta_t = r_t + gamma * d_t * V'_t - V_t
+      A_t     = m_t * (delta_t + gamma * lambda * d_t * (1 - u_t) * A_{t+1})
+      R_t     = m_t * (A_t + V_t)
+
+  where ``V'_t = bootstrap_values[t]`` is the value of the state reached *after* step
+  ``t`` (for a time-limit truncation: the truncated state's own value, before any
+  auto-reset), ``d_t = discounts[t]`` is 0 at a terminal step and 1 otherwise,
+  ``u_t = truncation[t]`` is 1 where the episode was cut by a time limit and
+  ``m_t = mask[t]``. So:
+
+  * a terminal step (``d_t = 0``) neither bootstraps nor passes the advantage of
+    the next episode back;
+  * a truncated step (``d_t = 1, u_t = 1``) bootstraps from ``V'_t`` but does not
+    pass back the next episode's advantage;
+  * a masked step (``m_t = 0``) gets advantage and return 0 and contributes nothing
+    to the steps before it.
+
+  Args:
+    rewards: ``[B, T]`` float rewards ``r_t``.
+    values: ``[B, T]`` float values ``V(s_t)``.
+    bootstrap_values: ``[B, T]`` float values ``V(s_{t+1})`` of the next state of
+      each step. Within an episode ``bootstrap_values[:, t] == values[:, t + 1]``.
+    discounts: ``[B, T]`` float continuation flags ``1 - terminal`` (values in
+      ``[0, 1]``; ``gamma`` is applied on top).
+    mask: ``[B, T]`` float or bool, 1 for real steps, 0 for padding. ``None``
+      means all ones.
+    gamma: discount factor ``gamma``.
+    gae_lambda: GAE's ``lambda`` in ``[0, 1]``.
+    truncation: ``[B, T]`` float or bool, 1 where the episode was truncated (time
+      limit) at step ``t``. ``None`` means no truncation.
+
+  Returns:
+    ``(advantages, returns)``, both ``[B, T]`` in the dtype of ``rewards``, with
+    ``stop_gradient`` applied.
+
+  Raises:
+    ValueError: if the inputs do not all have the same rank-2 shape.
+  """
+  shape = rewards.shape
+  named = dict(values=values, bootstrap_values=bootstrap_values, discounts=discounts)
+  if mask is not None:
+    named["mask"] = mask
+  if truncation is not None:
+    named["truncation"] = truncation
+  if len(shape) != 2:
+    raise ValueError(f"compute_gae expects [B, T] rewards, got shape {shape}.")
+  for name, x in named.items():
+    if x.shape != shape:
+      raise ValueError(
+          f"compute_gae: {name} has shape {x.shape}, expected {shape} (same as rewards)."
+      )
+  dtype = rewards.dtype
+  mask = jnp.ones(shape, dtype) if mask is None else mask.astype(dtype)
+  truncation = jnp.zeros(shape, dtype) if truncation is None else truncation.astype(dtype)
+  discounts = discounts.astype(dtype)
+
+  deltas = rewards + gamma * discounts * bootstrap_values - values
+  carry_coef = gamma * gae_lambda * discounts * (1.0 - truncation)
+
+  def step(acc, xs):
+    delta_t, coef_t, mask_t = xs
+    acc = mask_t * (delta_t + coef_t * acc)
+    return acc, acc
+
+  # Scan over time (axis 1), last step first.
+  xs = (deltas.T, carry_coef.T, mask.T)
+  _, adv_tb = jax.lax.scan(step, jnp.zeros(shape[0], dtype), xs, reverse=True)
+  advantages = adv_tb.T
+  returns = mask * (advantages + values)
+  return jax.lax.stop_gradient(advantages), jax.lax.stop_gradient(returns)
+
+
+class LossAggregation(enum.Enum):
+  """How per-token (per-step) losses are reduced to a scalar.
+
+  * ``TOKEN_MEAN``: sum over all real tokens / number of real tokens (DAPO's
+    token-level aggregation; the control default).
+  * ``SEQ_MEAN_TOKEN_MEAN``: mean over tokens within each sequence, then mean over
+    sequences (the original GRPO / many RLHF codebases).
+  * ``SEQ_MEAN_TOKEN_SUM``: sum over tokens within each sequence, then mean over
+    sequences (Dr. GRPO style, when divided by a constant length).
+  """
+
+  TOKEN_MEAN = "token_mean"
+  SEQ_MEAN_TOKEN_MEAN = "seq_mean_token_mean"
+  SEQ_MEAN_TOKEN_SUM = "seq_mean_token_sum"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PPOConfig:
+  """Hyperparameters of the PPO loss and update, shared by both domains.
+
+  Attributes:
+    clip_eps: lower clip range ``eps_low``: the ratio is clipped to
+      ``[1 - clip_eps, 1 + clip_eps_high]``.
+    clip_eps_high: upper clip range (DAPO's clip-higher). ``None`` means
+      ``clip_eps``.
+    value_clip_eps: if set, the value prediction is clipped to
+      ``old_values +- value_clip_eps`` and the larger of the clipped and unclipped
+      squared errors is used (PPO2). ``None`` disables value clipping.
+    vf_coef: weight of the value loss.
+    entropy_coef: weight of the entropy bonus (subtracted from the loss).
+    normalize_advantages: normalise advantages per minibatch to zero mean and unit
+      variance over real (unmasked) steps.
+    loss_aggregation: how per-step losses are reduced; see `LossAggregation`.
+    num_epochs: passes over the batch per update (``num_updates_per_batch`` in Brax).
+    num_minibatches: minibatches per epoch; must divide the batch's leading size.
+  """
+
+  clip_eps: float = 0.2
+  clip_eps_high: float | None = None
+  value_clip_eps: float | None = None
+  vf_coef: float = 0.5
+  entropy_coef: float = 0.0
+  normalize_advantages: bool = True
+  loss_aggregation: LossAggregation = LossAggregation.TOKEN_MEAN
+  num_epochs: int = 4
+  num_minibatches: int = 4
+
+  def __post_init__(self):
+    if not self.clip_eps > 0:
+      raise ValueError(f"clip_eps must be > 0, got {self.clip_eps}.")
+    if self.clip_eps_high is not None and not self.clip_eps_high > 0:
+      raise ValueError(f"clip_eps_high must be > 0 or None, got {self.clip_eps_high}.")
+    if self.value_clip_eps is not None and not self.value_clip_eps > 0:
+      raise ValueError(f"value_clip_eps must be > 0 or None, got {self.value_clip_eps}.")
+    if self.vf_coef < 0 or self.entropy_coef < 0:
+      raise ValueError(
+          f"vf_coef and entropy_coef must be >= 0, got {self.vf_coef}, {self.entropy_coef}."
+      )
+    if not isinstance(self.loss_aggregation, LossAggregation):
+      object.__setattr__(self, "loss_aggregation", LossAggregation(self.loss_aggregation))
+    if self.num_epochs < 1:
+      raise ValueError(f"num_epochs must be >= 1, got {self.num_epochs}.")
+    if self.num_minibatches < 1:
+      raise ValueError(f"num_minibatches must be >= 1, got {self.num_minibatches}.")
+
+
+def masked_mean(x: Array, mask: Array) -> Array:
+  """Mean of ``x`` over entries where ``mask`` is 1; 0 when the mask is empty."""
+  mask = mask.astype(x.dtype)
+  return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def normalize_advantages(advantages: Array, mask: Array, eps: float = 1e-8) -> Array:
+  """Whitens ``advantages`` over real steps: ``(A - mean) / (std + eps)``, 0 on padding."""
+  mask = mask.astype(advantages.dtype)
+  mean = masked_mean(advantages, mask)
+  var = masked_mean(jnp.square(advantages - mean), mask)
+  return mask * (advantages - mean) / (jnp.sqrt(var) + eps)
+
+
+def aggregate_loss(
+    per_step: Array,
+    mask: Array,
+    aggregation: LossAggregation,
+    normalizer: Array | float | None = None,
+) -> Array:
+  """Reduces a per-step loss to a scalar (STYLE: numerator and denominator kept apart).
+
+  Args:
+    per_step: ``[B, T]`` (or ``[N]`` for flat transitions) per-step loss.
+    mask: same shape, 1 for real steps.
+    aggregation: the reduction.
+    normalizer: for ``TOKEN_MEAN``, divide the masked sum by this instead of the
+      minibatch's own token count. Passing the global token count of a batch makes
+      the summed loss independent of how that batch is split into micro-batches.
+
+  Returns:
+    A scalar.
+  """
+  mask = mask.astype(per_step.dtype)
+  if aggregation == LossAggregation.TOKEN_MEAN or per_step.ndim == 1:
+    denom = jnp.maximum(jnp.sum(mask), 1.0) if normalizer is None else normalizer
+    return jnp.sum(per_step * mask) / denom
+  seq_sum = jnp.sum(per_step * mask, axis=-1)
+  if aggregation == LossAggregation.SEQ_MEAN_TOKEN_MEAN:
+    seq_val = seq_sum / jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
+  else:
+    seq_val = seq_sum
+  return jnp.mean(seq_val)
+
+
+def ppo_loss(
+    log_probs: Array,
+    old_log_probs: Array,
+    advantages: Array,
+    values: Array,
+    old_values: Array,
+    returns: Array,
+    mask: Array,
+    entropy: Array,
+    *,
+    config: PPOConfig,
+    normalizer: Array | float | None = None,
+) -> tuple[Array, dict[str, Array]]:
+  r"""The clipped PPO objective with value loss and entropy bonus.
+
+  With ``rho = exp(log_probs - old_log_probs)``, ``eps_l = clip_eps`` and
+  ``eps_h = clip_eps_high`` (Schulman et al. 2017, eq. 7; DAPO eq. 10)::
+
+      pg_loss  = agg( -min(rho * A, clip(rho, 1 - eps_l, 1 + eps_h) * A) )
+      vf_loss  = agg( 0.5 * (V - R)^2 )           (or the max with the clipped form)
+      loss     = pg_loss + vf_coef * vf_loss - entropy_coef * agg(entropy)
+
+  Args:
+    log_probs: ``[B, T]`` (or ``[N]``) float32 log-probs of the taken actions
+      (tokens) under the current policy.
+    old_log_probs: same shape, log-probs under the behaviour policy (rollout).
+    advantages: same shape, advantage estimates (normalised here if
+      ``config.normalize_advantages``).
+    values: same shape, current value predictions.
+    old_values: same shape, value predictions of the rollout.
+    returns: same shape, value targets.
+    mask: same shape, 1.0 for real steps, 0.0 for padding.
+    entropy: same shape, per-step policy entropy (nats).
+    config: the loss hyperparameters.
+    normalizer: optional global token count for ``TOKEN_MEAN`` aggregation.
+
+  Returns:
+    ``(loss, metrics)``: a scalar loss and a dict with scalars ``pg_loss``,
+    ``vf_loss``, ``entropy``, ``approx_kl`` (the k3 estimator
+    ``E[(rho - 1) - log rho]``), ``clipfrac`` (fraction of real steps where the
+    clipped term was active) and ``ratio`` (mean probability ratio).
+  """
+  mask = mask.astype(log_probs.dtype)
+  agg = lambda x: aggregate_loss(x, mask, config.loss_aggregation, normalizer)
+  if config.normalize_advantages:
+    advantages = normalize_advantages(advantages, mask)
+  advantages = jax.lax.stop_gradient(advantages)
+
+  log_ratio = log_probs - old_log_probs
+  ratio = jnp.exp(log_ratio)
+  eps_high = config.clip_eps if config.clip_eps_high is None else config.clip_eps_high
+  clipped_ratio = jnp.clip(ratio, 1.0 - config.clip_eps, 1.0 + eps_high)
+  surrogate = ratio * advantages
+  surrogate_clipped = clipped_ratio * advantages
+  pg_loss = agg(-jnp.minimum(surrogate, surrogate_clipped))
+
+  v_err = jnp.square(values - returns)
+  if config.value_clip_eps is not None:
+    values_clipped = old_values + jnp.clip(
+        values - old_values, -config.value_clip_eps, config.value_clip_eps
+    )
+    v_err = jnp.maximum(v_err, jnp.square(values_clipped - returns))
+  vf_loss = 0.5 * agg(v_err)
+  entropy_mean = agg(entropy)
+  loss = pg_loss + config.vf_coef * vf_loss - config.entropy_coef * entropy_mean
+
+  clipped = (surrogate_clipped < surrogate).astype(log_probs.dtype)
+  metrics = dict(
+      pg_loss=pg_loss,
+      vf_loss=vf_loss,
+      entropy=entropy_mean,
+      approx_kl=jax.lax.stop_gradient(masked_mean((ratio - 1.0) - log_ratio, mask)),
+      clipfrac=jax.lax.stop_gradient(masked_mean(clipped, mask)),
+      ratio=jax.lax.stop_gradient(masked_mean(ratio, mask)),
+  )
+  return loss, metrics
+
+
+class PPOState(NamedTuple):
+  """What ``ppo_update`` trains: parameters and the optax optimizer state."""
+
+  params: PyTree
+  opt_state: optax.OptState
+
+
+ApplyFn = Callable[[PyTree, Mapping[str, Array]], tuple[Array, Array, Array]]
+
+# Keys of the batch that ``ppo_update`` reads besides what ``apply_fn`` reads.
+BATCH_KEYS = ("log_probs", "values", "advantages", "returns", "mask")
+
+
+def _check_batch(batch: Mapping[str, Array], num_minibatches: int) -> int:
+  missing = [k for k in BATCH_KEYS if k not in batch]
+  if missing:
+    raise KeyError(f"ppo_update: batch is missing keys {missing}; it needs {list(BATCH_KEYS)}.")
+  sizes = {x.shape[0] for x in jax.tree.leaves(batch)}
+  if len(sizes) != 1:
+    raise ValueError(f"ppo_update: batch leaves have different leading sizes {sorted(sizes)}.")
+  (n,) = sizes
+  if n % num_minibatches:
+    raise ValueError(
+        f"ppo_update: batch size {n} is not divisible by num_minibatches={num_minibatches}."
+    )
+  return n
+
+
+def ppo_update(
+    state: PPOState,
+    batch: Mapping[str, Array],
+    key: Array,
+    *,
+    apply_fn: ApplyFn,
+    optimizer: optax.GradientTransformation,
+    config: PPOConfig,
+) -> tuple[PPOState, dict[str, Array]]:
+  """``num_epochs x num_minibatches`` steps of SGD on the PPO loss, inside ``lax.scan``.
+
+  Each epoch draws a fresh permutation of the batch's leading axis and splits it into
+  ``num_minibatches`` equal minibatches. Call it inside ``jax.jit``.
+
+  Args:
+    state: parameters and optimizer state.
+    batch: a dict of arrays sharing the leading size ``N`` (``N`` transitions for
+      control, ``N`` sequences for alignment). It holds the keys in ``BATCH_KEYS``
+      (``log_probs``, ``values``, ``advantages``, ``returns``, ``mask``: each
+      ``[N]`` or ``[N, T]``) plus whatever ``apply_fn`` reads (observations,
+      actions, tokens...).
+    key: PRNG key for the permutations.
+    apply_fn: ``apply_fn(params, minibatch) -> (log_probs, values, entropy)``, each
+      shaped like ``minibatch['mask']``; the only domain-specific piece.
+    optimizer: the optax transformation (gradient clipping belongs in it).
+    config: loss and update hyperparameters.
+
+  Returns:
+    ``(new_state, metrics)``; metrics are means over all minibatch steps of the
+    ``ppo_loss`` metrics plus ``loss`` and ``grad_norm``, and ``ratio_first``: the
+    mean ratio of the first minibatch of the first epoch (exactly 1.0 when the
+    rollout's log-probs were computed with the same parameters).
+
+  Raises:
+    KeyError: a required batch key is missing.
+    ValueError: the leading sizes differ or ``num_minibatches`` does not divide them.
+  """
+  n = _check_batch(batch, config.num_minibatches)
+  mb = n // config.num_minibatches
+
+  def loss_fn(params, minibatch):
+    log_probs, values, entropy = apply_fn(params, minibatch)
+    return ppo_loss(
+        log_probs,
+        minibatch["log_probs"],
+        minibatch["advantages"],
+        values,
+        minibatch["values"],
+        minibatch["returns"],
+        minibatch["mask"],
+        entropy,
+        config=config,
+    )
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def sgd_step(state: PPOState, minibatch):
+    (loss, metrics), grads = grad_fn(state.params, minibatch)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
+    return PPOState(params, opt_state), metrics
+
+  def epoch(state: PPOState, epoch_key):
+    perm = jax.random.permutation(epoch_key, n)
+    shuffled = jax.tree.map(
+        lambda x: jnp.take(x, perm, axis=0).reshape((config.num_minibatches, mb) + x.shape[1:]),
+        dict(batch),
+    )
+    return jax.lax.scan(sgd_step, state, shuffled)
+
+  state, metrics = jax.lax.scan(epoch, state, jax.random.split(key, config.num_epochs))
+  # metrics leaves: [num_epochs, num_minibatches].
+  out = jax.tree.map(jnp.mean, metrics)
+  out["ratio_first"] = metrics["ratio"][0, 0]
+  return state, out

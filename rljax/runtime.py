@@ -1,0 +1,50 @@
+"""Process-level set-up shared by the experiment scripts: compilation cache, user errors."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Callable
+
+import jax
+
+DEFAULT_CACHE_DIR = os.path.join(
+    os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache")),
+    "rljax",
+    "jax_compilation_cache",
+)
+
+
+def enable_compilation_cache(path: str | None = None) -> str:
+  """Turns on JAX's persistent compilation cache in ``path`` (a user cache directory).
+
+  A second run of the same configuration then loads its compiled programs from disk
+  instead of compiling them again. Returns the directory used.
+  """
+  path = path or os.environ.get("RLJAX_COMPILATION_CACHE", DEFAULT_CACHE_DIR)
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return path
+
+
+# Errors that mean "the user asked for something invalid": reported in one line.
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, KeyError, FileNotFoundError)
+
+
+def run_main(main: Callable[[], int | None], *, verbose: bool) -> None:
+  """Runs ``main``; a user error exits with status 2 and a one-line message.
+
+  With ``verbose`` the traceback is printed too.
+  """
+  try:
+    code = main()
+  except USER_ERRORS as e:
+    if verbose:
+      traceback.print_exc()
+    msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+  sys.exit(code or 0)

@@ -1,0 +1,1 @@
+"""Meshes, logical-axis rules and placement (issue 5)."""

@@ -1,0 +1,103 @@
+"""The environment registry: names, errors, and parity with the libraries' own wrappers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rljax import envs
+
+
+def test_list_envs_covers_brax_and_playground():
+  names = envs.list_envs()
+  for name in ("brax/ant", "brax/humanoid", "brax/hopper", "playground/CartpoleBalance",
+               "playground/CheetahRun", "playground/Go1JoystickFlatTerrain"):
+    assert name in names
+
+
+@pytest.mark.parametrize(
+    "bad, suggestion",
+    [
+        ("playground/CartpoleBalanse", "playground/CartpoleBalance"),
+        ("CheetahRun", "playground/CheetahRun"),
+        ("brax/ants", "brax/ant"),
+    ],
+)
+def test_unknown_name_lists_close_matches(bad, suggestion):
+  with pytest.raises(envs.UnknownEnvError) as e:
+    envs.make(bad)
+  assert repr(bad) in str(e.value)
+  assert suggestion in str(e.value)
+
+
+def test_menagerie_env_fails_with_instructions(tmp_path, monkeypatch):
+  monkeypatch.delenv(envs.MENAGERIE_ENV_VAR, raising=False)
+  from mujoco_playground._src import mjx_env
+
+  monkeypatch.setattr(mjx_env, "MENAGERIE_PATH", mjx_env.epath.Path(tmp_path / "absent"))
+  with pytest.raises(envs.MenagerieNotFoundError, match="MUJOCO_MENAGERIE_PATH"):
+    envs.make("playground/Go1JoystickFlatTerrain")
+  with pytest.raises(envs.MenagerieNotFoundError, match="does not exist"):
+    envs.make("playground/Go1JoystickFlatTerrain", menagerie_path=str(tmp_path / "nope"))
+
+
+def test_truncation_keeps_final_obs_and_matches_playground_wrappers():
+  """Our chain equals Playground's own `wrap_for_brax_training`, plus final_obs."""
+  from mujoco_playground._src import wrapper as pg_wrapper
+
+  env = envs.make("playground/CartpoleBalance")
+  ours = envs.wrap_for_training(env, episode_length=5)
+  theirs = pg_wrapper.wrap_for_brax_training(env, episode_length=5)
+  keys = jax.random.split(jax.random.PRNGKey(3), 4)
+  actions = jax.random.uniform(jax.random.PRNGKey(4), (7, 4, env.action_size), minval=-1, maxval=1)
+
+  @jax.jit
+  def roll(keys, actions):
+    def body(carry, a):
+      s1, s2 = carry
+      s1, s2 = ours.step(s1, a), theirs.step(s2, a)
+      return (s1, s2), (s1.obs, s2.obs, s1.reward, s2.reward, s1.done, s1.info["truncation"],
+                        s1.info[envs.FINAL_OBS_KEY])
+    return jax.lax.scan(body, (ours.reset(keys), theirs.reset(keys)), actions)[1]
+
+  obs1, obs2, r1, r2, done, trunc, final = roll(keys, actions)
+  np.testing.assert_array_equal(obs1, obs2)
+  np.testing.assert_array_equal(r1, r2)
+  # Step index 4 is the 5th step: the time limit. Auto-reset restores the first obs,
+  # while final_obs keeps the pre-reset one.
+  np.testing.assert_array_equal(done[4], 1.0)
+  np.testing.assert_array_equal(trunc[4], 1.0)
+  assert np.all(done[:4] == 0)
+  first = jax.jit(ours.reset)(keys).obs
+  np.testing.assert_array_equal(obs1[4], first)
+  assert not np.allclose(final[4], first)
+  # Outside resets final_obs equals obs.
+  np.testing.assert_array_equal(final[:4], obs1[:4])
+
+
+def test_brax_env_matches_brax_training_wrap():
+  from brax.envs.wrappers import training as brax_training
+
+  env = envs.make("brax/inverted_pendulum")
+  ours = envs.wrap_for_training(env, episode_length=1000, action_repeat=2)
+  theirs = brax_training.wrap(env, episode_length=1000, action_repeat=2)
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  actions = jnp.full((6, 3, env.action_size), 0.3)
+
+  @jax.jit
+  def roll(keys):
+    def body(carry, a):
+      s1, s2 = carry
+      s1, s2 = ours.step(s1, a), theirs.step(s2, a)
+      return (s1, s2), (s1.obs - s2.obs, s1.reward - s2.reward)
+    return jax.lax.scan(body, (ours.reset(keys), theirs.reset(keys)), actions)[1]
+
+  dobs, drew = roll(keys)
+  assert float(jnp.max(jnp.abs(dobs))) == 0.0
+  assert float(jnp.max(jnp.abs(drew))) == 0.0
+
+
+def test_wrap_rejects_bad_episode_length():
+  env = envs.make("playground/CartpoleBalance")
+  with pytest.raises(ValueError, match="episode_length and action_repeat must be >= 1, got 0, 1"):
+    envs.wrap_for_training(env, episode_length=0)

@@ -1,0 +1,221 @@
+"""Gold values for the shared PPO core (rljax/ppo.py), derived by hand in comments."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from rljax import ppo
+
+
+def test_gae_terminal_and_truncated_gold():
+  # One env, 4 steps, gamma = 0.9, lambda = 0.8  (gamma * lambda = 0.72).
+  #   t=0 ordinary step         bootstrap V(s_1) = values[1] = 1
+  #   t=1 truncated (time limit) bootstrap from the truncated state's value 9
+  #   t=2 terminal              no bootstrap (discount 0)
+  #   t=3 ordinary, last step   bootstrap 5
+  rewards = jnp.array([[1.0, 2.0, 3.0, 4.0]])
+  values = jnp.array([[0.5, 1.0, 1.5, 2.0]])
+  bootstrap = jnp.array([[1.0, 9.0, 2.0, 5.0]])
+  discounts = jnp.array([[1.0, 1.0, 0.0, 1.0]])
+  truncation = jnp.array([[0.0, 1.0, 0.0, 0.0]])
+  # delta_3 = 4 + 0.9 * 5 - 2        = 6.5      A_3 = 6.5
+  # delta_2 = 3 + 0         - 1.5    = 1.5      A_2 = 1.5   (terminal: no carry)
+  # delta_1 = 2 + 0.9 * 9   - 1      = 9.1      A_1 = 9.1   (truncated: no carry)
+  # delta_0 = 1 + 0.9 * 1   - 0.5    = 1.4      A_0 = 1.4 + 0.72 * 9.1 = 7.952
+  # returns = A + V = [8.452, 10.1, 3.0, 8.5]
+  adv, ret = jax.jit(ppo.compute_gae, static_argnames=("gamma", "gae_lambda"))(
+      rewards, values, bootstrap, discounts, None, gamma=0.9, gae_lambda=0.8,
+      truncation=truncation,
+  )
+  np.testing.assert_allclose(adv, [[7.952, 9.1, 1.5, 6.5]], rtol=1e-6)
+  np.testing.assert_allclose(ret, [[8.452, 10.1, 3.0, 8.5]], rtol=1e-6)
+
+
+def test_gae_truncation_differs_from_termination():
+  # The same step marked terminal instead of truncated must not bootstrap from 9:
+  # delta_1 = 2 - 1 = 1 -> A_1 = 1, A_0 = 1.4 + 0.72 * 1 = 2.12.
+  rewards = jnp.array([[1.0, 2.0, 3.0, 4.0]])
+  values = jnp.array([[0.5, 1.0, 1.5, 2.0]])
+  bootstrap = jnp.array([[1.0, 9.0, 2.0, 5.0]])
+  discounts = jnp.array([[1.0, 0.0, 0.0, 1.0]])
+  adv, _ = ppo.compute_gae(rewards, values, bootstrap, discounts, gamma=0.9, gae_lambda=0.8)
+  np.testing.assert_allclose(adv, [[2.12, 1.0, 1.5, 6.5]], rtol=1e-6)
+
+
+def test_gae_masked_sequence():
+  # gamma = lambda = 1, values 0, the last two steps are padding:
+  # A_3 = A_2 = 0 (masked); A_1 = 1.0 + A_2 = 1.0; A_0 = 1.5 + A_1 = 2.5.
+  rewards = jnp.array([[1.5, 1.0, 2.0, 2.0]])
+  zeros = jnp.zeros_like(rewards)
+  mask = jnp.array([[1.0, 1.0, 0.0, 0.0]])
+  adv, ret = ppo.compute_gae(
+      rewards, zeros, zeros, jnp.ones_like(rewards), mask, gamma=1.0, gae_lambda=1.0
+  )
+  np.testing.assert_allclose(adv, [[2.5, 1.0, 0.0, 0.0]])
+  np.testing.assert_allclose(ret, [[2.5, 1.0, 0.0, 0.0]])
+
+
+def test_gae_batch_rows_independent():
+  # Row 1 is row 0 shifted to a different batch position; results must not mix rows.
+  key = jax.random.PRNGKey(0)
+  r, v, b = jax.random.normal(key, (3, 2, 7))
+  d = jnp.ones((2, 7))
+  adv, _ = ppo.compute_gae(r, v, b, d, gamma=0.99, gae_lambda=0.95)
+  adv0, _ = ppo.compute_gae(r[:1], v[:1], b[:1], d[:1], gamma=0.99, gae_lambda=0.95)
+  np.testing.assert_allclose(adv[:1], adv0, rtol=1e-6)
+
+
+def test_gae_rejects_mismatched_shapes():
+  with pytest.raises(ValueError, match=r"values has shape \(1, 3\), expected \(1, 4\)"):
+    ppo.compute_gae(
+        jnp.zeros((1, 4)), jnp.zeros((1, 3)), jnp.zeros((1, 4)), jnp.ones((1, 4)),
+        gamma=1.0, gae_lambda=1.0,
+    )
+
+
+def _loss(ratios, advantages, **config_kwargs):
+  ratios = jnp.asarray(ratios)
+  n = ratios.shape[0]
+  old = jnp.zeros(n)
+  config = ppo.PPOConfig(normalize_advantages=False, vf_coef=0.0, **config_kwargs)
+
+  def f(log_probs):
+    return ppo.ppo_loss(
+        log_probs, old, jnp.asarray(advantages), jnp.zeros(n), jnp.zeros(n), jnp.zeros(n),
+        jnp.ones(n), jnp.zeros(n), config=config,
+    )
+
+  (loss, metrics), grad = jax.value_and_grad(f, has_aux=True)(jnp.log(ratios))
+  return loss, metrics, grad
+
+
+def test_ppo_loss_clipping_gold():
+  # clip_eps = 0.2, so the ratio is clipped to [0.8, 1.2].
+  #   r=1.5, A=+1: min(1.5, 1.2)   = 1.2   upper side, clip active   (grad 0)
+  #   r=1.5, A=-1: min(-1.5, -1.2) = -1.5  upper side, clip inactive (grad -A r / 5 = 0.3)
+  #   r=0.5, A=-1: min(-0.5, -0.8) = -0.8  lower side, clip active   (grad 0)
+  #   r=0.5, A=+1: min(0.5, 0.8)   = 0.5   lower side, clip inactive (grad -0.5 / 5 = -0.1)
+  #   r=1.1, A=+2: 2.2                      inside the range          (grad -2.2 / 5 = -0.44)
+  # pg_loss = -(1.2 - 1.5 - 0.8 + 0.5 + 2.2) / 5 = -1.6 / 5 = -0.32; clipfrac = 2/5.
+  loss, m, grad = _loss([1.5, 1.5, 0.5, 0.5, 1.1], [1.0, -1.0, -1.0, 1.0, 2.0], clip_eps=0.2)
+  np.testing.assert_allclose(m["pg_loss"], -0.32, rtol=1e-6)
+  np.testing.assert_allclose(loss, -0.32, rtol=1e-6)
+  np.testing.assert_allclose(m["clipfrac"], 0.4, rtol=1e-6)
+  np.testing.assert_allclose(grad, [0.0, 0.3, 0.0, -0.1, -0.44], rtol=1e-5, atol=1e-7)
+  # approx_kl = mean((r - 1) - log r)
+  r = np.array([1.5, 1.5, 0.5, 0.5, 1.1])
+  np.testing.assert_allclose(m["approx_kl"], np.mean((r - 1) - np.log(r)), rtol=1e-5)
+
+
+def test_ppo_loss_clip_higher():
+  # DAPO clip-higher: eps_high = 0.28 -> r=1.5, A=+1 gives min(1.5, 1.28) = 1.28;
+  # the lower side still clips at 0.8: r=0.5, A=-1 -> -0.8.  pg = -(1.28 - 0.8) / 2 = -0.24.
+  _, m, _ = _loss([1.5, 0.5], [1.0, -1.0], clip_eps=0.2, clip_eps_high=0.28)
+  np.testing.assert_allclose(m["pg_loss"], -0.24, rtol=1e-6)
+
+
+def test_ppo_loss_ratio_exactly_one_and_value_clipping():
+  # Same log-probs: ratio exactly 1, no clipping, approx_kl exactly 0.
+  lp = jnp.array([-1.3, -0.2, -2.0])
+  values = jnp.array([1.0, 2.0, 3.0])
+  old_values = jnp.array([0.0, 2.0, 3.5])
+  returns = jnp.array([2.0, 2.5, 3.0])
+  config = ppo.PPOConfig(normalize_advantages=False, value_clip_eps=0.5, vf_coef=1.0)
+  loss, m = ppo.ppo_loss(
+      lp, lp, jnp.array([1.0, -1.0, 0.5]), values, old_values, returns, jnp.ones(3),
+      jnp.zeros(3), config=config,
+  )
+  assert float(m["ratio"]) == 1.0
+  assert float(m["clipfrac"]) == 0.0
+  assert float(m["approx_kl"]) == 0.0
+  # pg = -mean(A) = -(1 - 1 + 0.5) / 3 = -1/6.
+  # value errors, unclipped vs clipped (old +- 0.5):
+  #   v=1.0, old=0.0 -> clipped 0.5: max((1-2)^2, (0.5-2)^2) = 2.25
+  #   v=2.0, old=2.0 -> clipped 2.0: max(0.25, 0.25)         = 0.25
+  #   v=3.0, old=3.5 -> clipped 3.0: max(0, 0)                = 0
+  # vf_loss = 0.5 * (2.25 + 0.25 + 0) / 3 = 0.41666...
+  np.testing.assert_allclose(m["pg_loss"], -1.0 / 6.0, rtol=1e-6)
+  np.testing.assert_allclose(m["vf_loss"], 0.5 * 2.5 / 3.0, rtol=1e-6)
+  np.testing.assert_allclose(loss, -1.0 / 6.0 + 0.5 * 2.5 / 3.0, rtol=1e-6)
+
+
+def test_ppo_loss_masks_padding_and_aggregations():
+  # Two sequences of 3 tokens; the second has one padding token. Advantages 1, ratio 1.
+  # per-token pg = -1 on real tokens.
+  #   token_mean:          -5 / 5                  = -1
+  #   seq_mean_token_sum:  mean(-3, -2)            = -2.5
+  #   seq_mean_token_mean: mean(-3/3, -2/2)        = -1
+  mask = jnp.array([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+  z = jnp.zeros((2, 3))
+  for agg, gold in [("token_mean", -1.0), ("seq_mean_token_sum", -2.5), ("seq_mean_token_mean", -1.0)]:
+    config = ppo.PPOConfig(normalize_advantages=False, vf_coef=0.0, loss_aggregation=agg)
+    _, m = ppo.ppo_loss(z, z, jnp.ones((2, 3)), z, z, z, mask, z, config=config)
+    np.testing.assert_allclose(m["pg_loss"], gold, rtol=1e-6, err_msg=agg)
+
+
+def test_normalize_advantages_ignores_padding():
+  adv = jnp.array([1.0, 3.0, 100.0])
+  mask = jnp.array([1.0, 1.0, 0.0])
+  # Real entries 1, 3: mean 2, std 1 -> [-1, 1], padding -> 0.
+  np.testing.assert_allclose(ppo.normalize_advantages(adv, mask), [-1.0, 1.0, 0.0], rtol=1e-6)
+
+
+def test_ppo_update_first_ratio_is_one_and_learns():
+  # A linear-softmax "policy" over 3 actions on random features; the batch's old
+  # log-probs come from the same parameters, so the first minibatch's ratio is 1.
+  key = jax.random.PRNGKey(0)
+  k1, k2, k3, k4 = jax.random.split(key, 4)
+  n, d = 64, 5
+  obs = jax.random.normal(k1, (n, d))
+  actions = jax.random.randint(k2, (n,), 0, 3)
+  params = {"w": 0.1 * jax.random.normal(k3, (d, 3)), "v": jnp.zeros((d,))}
+
+  def apply_fn(p, mb):
+    logits = mb["obs"] @ p["w"]
+    logp_all = jax.nn.log_softmax(logits)
+    logp = jnp.take_along_axis(logp_all, mb["actions"][:, None], axis=1)[:, 0]
+    ent = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    return logp, mb["obs"] @ p["v"], ent
+
+  old_lp, old_v, _ = apply_fn(params, {"obs": obs, "actions": actions})
+  advantages = jnp.where(actions == 0, 1.0, -0.5)
+  batch = dict(obs=obs, actions=actions, log_probs=old_lp, values=old_v,
+               advantages=advantages, returns=advantages, mask=jnp.ones(n))
+  opt = optax.sgd(0.1)
+  config = ppo.PPOConfig(num_epochs=3, num_minibatches=4, normalize_advantages=False)
+  update = jax.jit(lambda s, b, k: ppo.ppo_update(s, b, k, apply_fn=apply_fn, optimizer=opt, config=config))
+  state, m = update(ppo.PPOState(params, opt.init(params)), batch, k4)
+  assert float(m["ratio_first"]) == 1.0
+  # The update must raise the advantage-weighted log-likelihood of the taken actions
+  # and the mean probability of action 0 (the only action with positive advantage).
+  new_lp, _, _ = apply_fn(state.params, {"obs": obs, "actions": actions})
+  assert float(jnp.mean(advantages * new_lp)) > float(jnp.mean(advantages * old_lp)) + 1e-3
+  zeros = jnp.zeros(n, jnp.int32)
+  p0_new = jnp.exp(apply_fn(state.params, {"obs": obs, "actions": zeros})[0]).mean()
+  p0_old = jnp.exp(apply_fn(params, {"obs": obs, "actions": zeros})[0]).mean()
+  assert float(p0_new) > float(p0_old)
+
+
+def test_ppo_update_rejects_indivisible_batch():
+  batch = {k: jnp.zeros((10,)) for k in ppo.BATCH_KEYS}
+  config = ppo.PPOConfig(num_minibatches=4)
+  with pytest.raises(ValueError, match="batch size 10 is not divisible by num_minibatches=4"):
+    ppo.ppo_update(ppo.PPOState({}, ()), batch, jax.random.PRNGKey(0),
+                   apply_fn=None, optimizer=optax.sgd(1.0), config=config)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(clip_eps=0.0), "clip_eps must be > 0, got 0.0"),
+        (dict(num_minibatches=0), "num_minibatches must be >= 1, got 0"),
+        (dict(loss_aggregation="mean"), "'mean' is not a valid LossAggregation"),
+    ],
+)
+def test_ppo_config_rejects_bad_values(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    ppo.PPOConfig(**kwargs)
