@@ -86,6 +86,8 @@ def build_config():
 def main(argv):
   del argv
 
+  runtime.configure_logging(_VERBOSE.value)
+
   def run():
     config = build_config()  # validates before anything compiles
     logdir = _LOGDIR.value or os.path.join(

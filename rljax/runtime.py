@@ -30,6 +30,22 @@ def enable_compilation_cache(path: str | None = None) -> str:
   return path
 
 
+def configure_logging(verbose: bool = False) -> None:
+  """Keeps the console to the progress bar and results.
+
+  Lowers absl's (orbax's) INFO logs and Warp's per-kernel "Module ... load" timers to
+  warnings, unless ``verbose``.
+  """
+  from absl import logging
+
+  logging.set_verbosity(logging.INFO if verbose else logging.WARNING)
+  try:
+    import warp
+  except ImportError:  # Warp ships with MJX; nothing to quieten without it.
+    return
+  warp.config.log_level = warp.LOG_INFO if verbose else warp.LOG_WARNING
+
+
 # Errors that mean "the user asked for something invalid": reported in one line.
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, KeyError, FileNotFoundError)
 

@@ -94,6 +94,8 @@ def test_logdir_outputs_and_load_policy(tmp_path):
               "timing/train_s"):
     assert key in records[-1], key
   assert records[-1]["env_steps"] == result.history[-1]["env_steps"] > 0
+  # One compiled train chunk and one compiled evaluation serve the whole run.
+  assert result.num_compiled == 2
   assert any(f.startswith("events.out.tfevents") for f in os.listdir(logdir))
 
   policy = trainer.load_policy(logdir)
@@ -102,6 +104,21 @@ def test_logdir_outputs_and_load_policy(tmp_path):
   tr, _ = trainer.make_trainer(config)
   loc, _ = trainer.policy_apply(tr.networks, ts.params, running_stats.normalize(ts.obs_stats, obs))
   np.testing.assert_allclose(policy(obs), jnp.tanh(loc), rtol=1e-6, atol=1e-7)
+
+
+def test_script_runs_and_fills_compilation_cache(tmp_path):
+  flags = [f"--{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}"
+           for k, v in TINY.items()]
+  cache = tmp_path / "cache"
+  out = subprocess.run(
+      [sys.executable, SCRIPT, f"--logdir={tmp_path}/run", f"--compilation_cache_dir={cache}",
+       "--noprogress", *flags],
+      capture_output=True, text=True, timeout=300,
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "final eval episode reward" in out.stdout
+  assert os.listdir(cache), "the persistent compilation cache stayed empty"
+  assert os.path.exists(tmp_path / "run" / "learning_curve.png")
 
 
 @pytest.mark.slow

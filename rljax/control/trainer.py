@@ -339,6 +339,7 @@ class TrainResult(NamedTuple):
   history: list[dict[str, float]]
   wall_s: float
   compile_s: float
+  num_compiled: int  # distinct compiled versions of the train chunk and the evaluation
 
 
 def _policy_item(ts: TrainState) -> dict[str, Any]:
@@ -446,7 +447,8 @@ def train(
     )
   if manager is not None:
     manager.close()
-  return TrainResult(ts, history, wall_s, compile_s)
+  num_compiled = trainer.train_chunk._cache_size() + trainer.evaluate._cache_size()
+  return TrainResult(ts, history, wall_s, compile_s, num_compiled)
 
 
 def load_policy(logdir: str, *, step: int | None = None, deterministic: bool = True):

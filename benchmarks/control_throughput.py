@@ -1,0 +1,235 @@
+r"""Control throughput: rljax's PPO trainer vs Brax's, side by side in one process.
+
+    python benchmarks/control_throughput.py --env=playground/CartpoleBalance --out=cartpole.json
+
+For one environment it runs, back to back:
+
+1. rljax's trainer with the *same settings* as step 2 (environment, ``num_envs``,
+   ``unroll_length``, batch, minibatches, updates per batch, network sizes, evaluations,
+   timesteps);
+2. Brax's own trainer, ``brax.training.agents.ppo.train``, as its users run it
+   (Playground environments wrapped with Playground's ``wrap_for_brax_training``);
+3. rljax again with its own default config for the environment;
+4. the physics limit: ``jit(lax.scan(vmap(env.step)))`` with zero actions.
+
+Steady-state steps/s exclude compilation: they are the median over the training
+epochs after the first (both trainers time each epoch the same way, evaluation
+excluded). Wall times are whole runs, compilation and evaluations included.
+
+Brax 0.14.2 calls ``jax.device_put_replicated``, which JAX 0.10 removed; the small shim
+below restores it for Brax only. Nothing of Brax's algorithm or settings is changed.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+_ENV = flags.DEFINE_string("env", "playground/CartpoleBalance", "Environment name.")
+_NUM_ENVS = flags.DEFINE_integer("num_envs", 256, "Parallel environments.")
+_TIMESTEPS = flags.DEFINE_integer("num_timesteps", 1_500_000, "Timesteps of the identical-settings runs.")
+_OUT = flags.DEFINE_string("out", None, "Write the JSON result here.")
+_SKIP_DEFAULT = flags.DEFINE_bool("skip_default", False, "Skip the rljax-default run.")
+
+
+def install_device_put_replicated_shim() -> None:
+  """Restores ``jax.device_put_replicated`` (removed in JAX 0.10) for Brax 0.14.2.
+
+  It puts ``len(devices)`` stacked copies of each leaf on ``devices``, sharded along
+  the new leading axis: what the removed function returned, and what Brax's
+  ``pmap``-based trainers expect.
+  """
+  if hasattr(jax, "device_put_replicated"):
+    return
+
+  def device_put_replicated(x, devices):
+    mesh = jax.sharding.Mesh(np.array(devices), ("i",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("i"))
+    return jax.tree.map(
+        lambda a: jax.device_put(jnp.stack([jnp.asarray(a)] * len(devices)), sharding), x
+    )
+
+  jax.device_put_replicated = device_put_replicated
+
+
+# Identical settings, in Brax's terms. unroll_length follows the environment families'
+# published configs (Playground's DM Control: 30; Brax's ant: short unrolls).
+def identical_settings(env: str, num_envs: int, num_timesteps: int) -> dict:
+  unroll = 10 if env.startswith("brax/") else 30
+  return dict(
+      num_timesteps=num_timesteps,
+      num_envs=num_envs,
+      unroll_length=unroll,
+      batch_size=num_envs,  # Brax: trajectory segments per minibatch
+      num_minibatches=4,
+      num_updates_per_batch=4,
+      learning_rate=1e-3,
+      entropy_cost=1e-2,
+      discounting=0.99,
+      gae_lambda=0.95,
+      clipping_epsilon=0.2,
+      reward_scaling=1.0,
+      normalize_observations=True,
+      num_evals=5,
+      num_eval_envs=128,
+      policy_hidden_layer_sizes=(32, 32, 32, 32),  # Brax's default networks
+      value_hidden_layer_sizes=(256, 256, 256, 256, 256),
+      seed=0,
+  )
+
+
+def rljax_config_from(env: str, s: dict, episode_length: int):
+  from rljax.control.config import ControlConfig
+
+  return ControlConfig(
+      env=env,
+      num_timesteps=s["num_timesteps"],
+      num_envs=s["num_envs"],
+      unroll_length=s["unroll_length"],
+      batch_size=s["batch_size"] * s["num_minibatches"],  # rljax: segments per iteration
+      num_minibatches=s["num_minibatches"],
+      num_epochs=s["num_updates_per_batch"],
+      learning_rate=s["learning_rate"],
+      entropy_coef=s["entropy_cost"],
+      gamma=s["discounting"],
+      gae_lambda=s["gae_lambda"],
+      clip_eps=s["clipping_epsilon"],
+      reward_scaling=s["reward_scaling"],
+      normalize_observations=s["normalize_observations"],
+      num_evals=s["num_evals"],
+      num_eval_envs=s["num_eval_envs"],
+      policy_hidden=s["policy_hidden_layer_sizes"],
+      value_hidden=s["value_hidden_layer_sizes"],
+      episode_length=episode_length,
+      seed=s["seed"],
+  )
+
+
+def run_rljax(config) -> dict:
+  from rljax.control import trainer
+
+  result = trainer.train(config, None, progress=False)
+  sps = [h["sps"] for h in result.history[2:]] or [result.history[-1]["sps"]]
+  return dict(
+      sps=statistics.median(sps),
+      wall_s=result.wall_s,
+      final_reward=result.history[-1]["eval/episode_reward"],
+      env_steps=result.history[-1]["env_steps"],
+  )
+
+
+def run_brax(env_name: str, s: dict, episode_length: int) -> dict:
+  install_device_put_replicated_shim()
+  import functools
+
+  from brax.training.agents.ppo import networks as ppo_networks
+  from brax.training.agents.ppo import train as ppo_train
+
+  from rljax import envs
+
+  env = envs.make(env_name)
+  wrap_env_fn = None
+  if env_name.startswith("playground/"):
+    from mujoco_playground import wrapper
+
+    wrap_env_fn = wrapper.wrap_for_brax_training
+  sps, rewards, steps = [], [], []
+
+  def progress(num_steps, metrics):
+    steps.append(num_steps)
+    rewards.append(float(metrics.get("eval/episode_reward", np.nan)))
+    if "training/sps" in metrics:
+      sps.append(float(metrics["training/sps"]))
+
+  network_factory = functools.partial(
+      ppo_networks.make_ppo_networks,
+      policy_hidden_layer_sizes=s["policy_hidden_layer_sizes"],
+      value_hidden_layer_sizes=s["value_hidden_layer_sizes"],
+  )
+  kwargs = {k: v for k, v in s.items() if not k.endswith("hidden_layer_sizes")}
+  t0 = time.perf_counter()
+  ppo_train.train(
+      environment=env,
+      episode_length=episode_length,
+      network_factory=network_factory,
+      wrap_env_fn=wrap_env_fn,
+      progress_fn=progress,
+      **kwargs,
+  )
+  wall = time.perf_counter() - t0
+  steady = sps[1:] or sps
+  return dict(
+      sps=statistics.median(steady), wall_s=wall, final_reward=rewards[-1], env_steps=steps[-1]
+  )
+
+
+def physics_limit(env_name: str, num_envs: int, steps: int = 200) -> float:
+  from rljax import envs
+
+  env = envs.make(env_name)
+  state = jax.jit(jax.vmap(env.reset))(jax.random.split(jax.random.PRNGKey(0), num_envs))
+  zeros = jnp.zeros((num_envs, env.action_size))
+
+  @jax.jit
+  def run(state):
+    return jax.lax.scan(lambda s, _: (jax.vmap(env.step)(s, zeros), ()), state, None, length=steps)[0]
+
+  jax.block_until_ready(run(state))
+  t0 = time.perf_counter()
+  jax.block_until_ready(run(state))
+  return num_envs * steps / (time.perf_counter() - t0)
+
+
+def main(argv):
+  del argv
+  from rljax import envs
+  from rljax.control.config import default_config
+
+  env_name = _ENV.value
+  episode_length = envs.default_episode_length(env_name)
+  s = identical_settings(env_name, _NUM_ENVS.value, _TIMESTEPS.value)
+  print(f"[{env_name}] identical settings: {s}", flush=True)
+  ours = run_rljax(rljax_config_from(env_name, s, episode_length))
+  print(f"  rljax (identical): {ours}", flush=True)
+  brax = run_brax(env_name, s, episode_length)
+  print(f"  brax  (identical): {brax}", flush=True)
+  default = None
+  if not _SKIP_DEFAULT.value:
+    dc = default_config(env_name)
+    default = run_rljax(dc)
+    print(f"  rljax (default {dc.num_envs} envs, {dc.policy_hidden}/{dc.value_hidden}): {default}", flush=True)
+  limit = physics_limit(env_name, _NUM_ENVS.value)
+  print(f"  physics limit: {limit:,.0f} steps/s", flush=True)
+  result = dict(
+      env=env_name,
+      num_envs=_NUM_ENVS.value,
+      rljax_sps=ours["sps"],
+      brax_sps=brax["sps"],
+      rljax_default_sps=default["sps"] if default else None,
+      physics_limit_sps=limit,
+      rljax_wall_s=ours["wall_s"],
+      brax_wall_s=brax["wall_s"],
+      ratio_vs_brax=ours["sps"] / brax["sps"],
+      wall_ratio_vs_brax=brax["wall_s"] / ours["wall_s"],
+      fraction_of_limit=default["sps"] / limit if default else None,
+      rljax_final_reward=ours["final_reward"],
+      brax_final_reward=brax["final_reward"],
+      rljax_default_final_reward=default["final_reward"] if default else None,
+      rljax_default_wall_s=default["wall_s"] if default else None,
+  )
+  print("\n| metric | value |\n|---|---|")
+  for k, v in result.items():
+    print(f"| {k} | {v:,.3f} |" if isinstance(v, float) else f"| {k} | {v} |")
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,81 @@
+"""The MLP actor-critic's distribution maths and the observation normaliser."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rljax import running_stats
+from rljax.models import mlp
+
+
+def test_squashed_log_prob_gold():
+  # One action dim, u = 0.5, loc = 0, scale = 2:
+  #   log N(0.5; 0, 2) = -0.5 * 0.25^2 - log 2 - 0.5 log(2 pi) = -0.03125 - 0.693147 - 0.918939
+  #   log(1 - tanh(0.5)^2) = log(1 - 0.462117^2) = log(0.786448) = -0.240229
+  #   log pi(tanh u) = -1.643336 + 0.240229 = -1.403107
+  lp = mlp.squashed_log_prob(jnp.array([0.5]), jnp.array([0.0]), jnp.array([2.0]))
+  np.testing.assert_allclose(lp, -1.403107, rtol=1e-5)
+
+
+def test_squashed_log_prob_is_a_density_over_actions():
+  # Integrate exp(log pi(a)) over a in (-1, 1) with a = tanh(u): must be 1.
+  loc, scale = jnp.array([0.3]), jnp.array([0.7])
+  a = jnp.linspace(-0.999999, 0.999999, 200_001)
+  u = jnp.arctanh(a)[:, None]
+  density = jnp.exp(mlp.squashed_log_prob(u, loc, scale))
+  np.testing.assert_allclose(jnp.trapezoid(density, a), 1.0, atol=1e-3)
+
+
+def test_tanh_log_det_is_stable_for_large_u():
+  # Naive log(1 - tanh(u)^2) is -inf at u = 20 in float32; the stable form is 2(log2 - u - softplus(-2u)).
+  v = mlp.tanh_log_det_jacobian(jnp.array([20.0]))
+  np.testing.assert_allclose(v, 2 * (math.log(2.0) - 20.0), rtol=1e-6)
+
+
+def test_gaussian_entropy_gold():
+  # Two dims with scale 1 and e: sum(0.5 + 0.5 log(2 pi) + log s) = 2 * 1.418939 + 1 = 3.837877
+  np.testing.assert_allclose(mlp.gaussian_entropy(jnp.array([1.0, math.e])), 3.837877, rtol=1e-6)
+
+
+def test_actor_critic_shapes_and_initial_std():
+  config = mlp.ActorCriticConfig(observation_size=5, action_size=3, policy_hidden=(16,), value_hidden=(8, 8))
+  model = mlp.ActorCritic(config, rngs=nnx.Rngs(0))
+  obs = jnp.zeros((4, 7, 5))
+  loc, scale = model.policy_params(obs)
+  assert loc.shape == scale.shape == (4, 7, 3)
+  np.testing.assert_allclose(scale, config.init_std, rtol=1e-5)  # zero input -> bias-free scale
+  assert model.value_fn(obs).shape == (4, 7)
+
+
+def test_actor_critic_config_errors():
+  with pytest.raises(ValueError, match="activation 'gelu' is not one of"):
+    mlp.ActorCriticConfig(observation_size=5, action_size=3, activation="gelu")
+  with pytest.raises(ValueError, match="observation_size and action_size must be >= 1, got 0, 3"):
+    mlp.ActorCriticConfig(observation_size=0, action_size=3)
+
+
+def test_running_stats_split_invariance_and_mask():
+  x = jax.random.normal(jax.random.PRNGKey(0), (100, 3)) * jnp.array([1.0, 5.0, 0.1]) + 2.0
+  whole = running_stats.update(running_stats.init(3), x)
+  parts = running_stats.init(3)
+  for chunk in (x[:7], x[7:50], x[50:]):
+    parts = running_stats.update(parts, chunk)
+  np.testing.assert_allclose(whole.mean, x.mean(0), rtol=1e-5)
+  np.testing.assert_allclose(running_stats.std(whole), x.std(0), rtol=1e-4)
+  np.testing.assert_allclose(parts.mean, whole.mean, rtol=1e-5)
+  np.testing.assert_allclose(parts.m2, whole.m2, rtol=1e-4)
+  # Masked-out rows are ignored.
+  masked = running_stats.update(running_stats.init(3), jnp.concatenate([x, 1e6 * jnp.ones((5, 3))]),
+                                mask=jnp.concatenate([jnp.ones(100), jnp.zeros(5)]))
+  np.testing.assert_allclose(masked.mean, whole.mean, rtol=1e-5)
+
+
+def test_normalize_is_identity_when_empty_and_clips():
+  stats = running_stats.init(2)
+  x = jnp.array([[3.0, -7.0]])
+  np.testing.assert_array_equal(running_stats.normalize(stats, x, clip=None), x)
+  np.testing.assert_array_equal(running_stats.normalize(stats, x, clip=5.0), [[3.0, -5.0]])
