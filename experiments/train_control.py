@@ -6,12 +6,17 @@ r"""Train a PPO policy on an MJX environment.
 Every ``ControlConfig`` field is a flag; unset flags take the environment's bundled
 default (``rljax.control.config.default_config``). Bad values fail before anything
 compiles, with exit status 2 and a one-line message (``--verbose`` for a traceback).
+
+Exit status: 0 done; 2 bad input; 3 halted on a non-finite value (``--nonfinite=halt``);
+75 (``EXIT_PREEMPTED``) stopped by SIGTERM after writing a checkpoint: run the same
+command again (SLURM's ``--requeue`` does) and it resumes from that checkpoint.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 
 from absl import app, flags
@@ -24,6 +29,9 @@ _CACHE = flags.DEFINE_bool("compilation_cache", True, "Use JAX's persistent comp
 _CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", None, "Cache directory (default ~/.cache/rljax).")
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Print tracebacks for user errors.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
+_RESUME = flags.DEFINE_bool(
+    "resume", True, "Continue from the newest checkpoint in --logdir when there is one."
+)
 
 # One flag per ControlConfig field (except env), defaulting to "use the env's default".
 _FIELD_FLAGS = {}
@@ -100,7 +108,14 @@ def main(argv):
       runtime.enable_compilation_cache(_CACHE_DIR.value)
     from rljax.control import trainer
 
-    result = trainer.train(config, logdir, progress=_PROGRESS.value)
+    try:
+      result = trainer.train(config, logdir, progress=_PROGRESS.value, resume=_RESUME.value)
+    except trainer.Preempted as e:
+      print(f"{e}; exiting with status {trainer.EXIT_PREEMPTED}", file=sys.stderr)
+      return trainer.EXIT_PREEMPTED
+    except trainer.NonFiniteHalt as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 3
     final = result.history[-1]
     print(
         f"{config.env}: final eval episode reward {final['eval/episode_reward']:.1f} "

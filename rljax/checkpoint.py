@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Any
+from typing import Any, Callable
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 CONFIG_FILE = "config.json"
@@ -59,6 +60,23 @@ def make_manager(logdir: str, *, max_to_keep: int = 3) -> ocp.CheckpointManager:
   )
 
 
+def to_saveable(tree: Any) -> dict[str, Any]:
+  """Flattens a pytree to ``{key path: leaf}``, dropping zero-size leaves.
+
+  Orbax cannot store zero-size arrays (MJX states have some, e.g. ``data.act`` of a
+  model without actuator activations); `from_saveable` takes them from a template.
+  """
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {jax.tree_util.keystr(p): x for p, x in flat if np.size(x) > 0}
+
+
+def from_saveable(template: Any, saved: dict[str, Any]) -> Any:
+  """Inverse of `to_saveable`: leaves of ``template`` replaced by ``saved`` ones."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(template)
+  leaves = [saved.get(jax.tree_util.keystr(p), x) for p, x in flat]
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
 def save(manager: ocp.CheckpointManager, step: int, policy: Any, train_state: Any) -> None:
   """Saves both items at ``step`` and waits until they are on disk."""
   manager.save(
@@ -68,6 +86,46 @@ def save(manager: ocp.CheckpointManager, step: int, policy: Any, train_state: An
       ),
   )
   manager.wait_until_finished()
+
+
+def restore(
+    manager: ocp.CheckpointManager,
+    policy_target: Any,
+    train_target: Any,
+    *,
+    log: Callable[[str], None] = print,
+) -> tuple[int, Any, Any] | None:
+  """Restores the newest checkpoint that loads, newest first; ``None`` if there is none.
+
+  A checkpoint that fails to load (for example a truncated file after a crash or a
+  disk problem) is reported through ``log`` and skipped in favour of the previous
+  one. It is never loaded silently.
+
+  Args:
+    manager: from `make_manager`.
+    policy_target, train_target: pytrees (concrete or abstract) giving the structure,
+      shapes, dtypes and shardings to restore into.
+    log: receives one line per skipped checkpoint.
+
+  Returns:
+    ``(step, policy, train_state)`` or ``None``.
+  """
+  abstract = lambda t: jax.tree.map(ocp.utils.to_shape_dtype_struct, t)
+  for step in sorted(manager.all_steps(), reverse=True):
+    try:
+      out = manager.restore(
+          step,
+          args=ocp.args.Composite(
+              policy=ocp.args.StandardRestore(abstract(policy_target)),
+              train_state=ocp.args.StandardRestore(abstract(train_target)),
+          ),
+      )
+    except Exception as e:  # orbax raises many types for unreadable data
+      log(f"checkpoint {step} in {manager.directory} is unreadable, skipping it: "
+          f"{type(e).__name__}: {str(e)[:300]}")
+      continue
+    return step, out.policy, out.train_state
+  return None
 
 
 def restore_policy(logdir: str, target: Any, step: int | None = None) -> Any:

@@ -362,9 +362,12 @@ def ppo_update(
 
   Returns:
     ``(new_state, metrics)``; metrics are means over all minibatch steps of the
-    ``ppo_loss`` metrics plus ``loss`` and ``grad_norm``, and ``ratio_first``: the
+    ``ppo_loss`` metrics plus ``loss`` and ``grad_norm``; ``ratio_first``: the
     mean ratio of the first minibatch of the first epoch (exactly 1.0 when the
-    rollout's log-probs were computed with the same parameters).
+    rollout's log-probs were computed with the same parameters); and
+    ``nonfinite_steps``: how many minibatch steps were skipped because the loss or
+    the gradient was not finite (those steps leave params and optimizer state as
+    they were).
 
   Raises:
     KeyError: a required batch key is missing.
@@ -391,6 +394,201 @@ def ppo_update(
 
   def sgd_step(state: PPOState, minibatch):
     (loss, metrics), grads = grad_fn(state.params, minibatch)
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    # Non-finite guard: a NaN/inf loss or gradient never reaches the parameters or the
+    # optimizer state; the step is skipped and counted.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    new_state = jax.tree.map(
+        lambda new, old: jnp.where(finite, new, old), PPOState(params, opt_state), state
+    )
+    metrics = dict(metrics, loss=loss, grad_norm=grad_norm, nonfinite=1.0 - finite)
+    return new_state, metrics
+
+  def epoch(state: PPOState, epoch_key):
+    perm = jax.random.permutation(epoch_key, n)
+    shuffled = jax.tree.map(
+        lambda x: jnp.take(x, perm, axis=0).reshape((config.num_minibatches, mb) + x.shape[1:]),
+        dict(batch),
+    )
+    return jax.lax.scan(sgd_step, state, shuffled)
+
+  state, metrics = jax.lax.scan(epoch, state, jax.random.split(key, config.num_epochs))
+  # metrics leaves: [num_epochs, num_minibatches].
+  out = jax.tree.map(jnp.mean, metrics)
+  out["ratio_first"] = metrics["ratio"][0, 0]
+  out["nonfinite_steps"] = jnp.sum(metrics.pop("nonfinite"))
+  del out["nonfinite"]
+  return state, out
+
+
+# ----------------------------------------------------------------------------------------------
+# Critic-free advantages (alignment): GRPO, RLOO, REINFORCE++. They feed the same `ppo_loss`.
+# Layout: ``scores [B]`` hold one scalar per sequence, grouped as ``B = num_prompts x G``
+# consecutive rows per prompt (rows ``g*G .. g*G + G - 1`` answer prompt ``g``).
+# ----------------------------------------------------------------------------------------------
+
+
+def _grouped(scores: Array, group_size: int) -> Array:
+  if scores.ndim != 1:
+    raise ValueError(f"expected [B] sequence scores, got shape {scores.shape}.")
+  if group_size < 1 or scores.shape[0] % group_size:
+    raise ValueError(
+        f"group_size={group_size} must be >= 1 and divide the batch size {scores.shape[0]}."
+    )
+  return scores.reshape(-1, group_size)
+
+
+def group_relative_advantages(
+    scores: Array, *, group_size: int, normalize_std: bool = True, eps: float = 1e-6
+) -> Array:
+  r"""GRPO's outcome advantages (Shao et al. 2024, arXiv:2402.03300, Sec. 4.1.2).
+
+  For the ``G`` responses ``i`` of one prompt with scores ``r_i``::
+
+      A_i = (r_i - mean_j r_j) / (std_j r_j + eps)        (normalize_std=True)
+      A_i =  r_i - mean_j r_j                             (normalize_std=False, Dr. GRPO)
+
+  ``std`` is the population standard deviation (``ddof=0``), so a group of equal scores gets
+  advantages exactly 0.
+
+  Args:
+    scores: ``[B]`` f32 sequence rewards, ``B = num_prompts * group_size``, grouped in
+      consecutive rows.
+    group_size: ``G``, responses per prompt.
+    normalize_std: divide by the group's std.
+    eps: added to the std.
+
+  Returns:
+    ``[B]`` advantages (``stop_gradient``); broadcast to tokens with
+    :func:`sequence_to_token_advantages`.
+
+  Raises:
+    ValueError: ``scores`` is not rank 1 or ``group_size`` does not divide ``B``.
+  """
+  g = _grouped(scores, group_size)
+  centred = g - jnp.mean(g, axis=1, keepdims=True)
+  if normalize_std:
+    centred = centred / (jnp.std(g, axis=1, keepdims=True) + eps)
+  return jax.lax.stop_gradient(centred.reshape(-1))
+
+
+def rloo_advantages(scores: Array, *, group_size: int) -> Array:
+  r"""REINFORCE leave-one-out advantages (Kool et al. 2019; Ahmadian et al. 2024,
+  arXiv:2402.14740, eq. 6).
+
+  ``A_i = r_i - 1/(G-1) * sum_{j != i} r_j  =  G/(G-1) * (r_i - mean_j r_j)``.
+
+  Args:
+    scores: ``[B]`` f32, grouped as in :func:`group_relative_advantages`.
+    group_size: ``G >= 2``.
+
+  Returns:
+    ``[B]`` advantages (``stop_gradient``).
+
+  Raises:
+    ValueError: ``group_size < 2`` or it does not divide ``B``.
+  """
+  if group_size < 2:
+    raise ValueError(f"RLOO needs group_size >= 2, got {group_size}.")
+  g = _grouped(scores, group_size)
+  baseline = (jnp.sum(g, axis=1, keepdims=True) - g) / (group_size - 1)
+  return jax.lax.stop_gradient((g - baseline).reshape(-1))
+
+
+def sequence_to_token_advantages(advantages: Array, mask: Array) -> Array:
+  """Broadcasts ``[B]`` sequence advantages to ``[B, T]`` tokens, 0 on padding."""
+  return advantages[:, None] * mask.astype(advantages.dtype)
+
+
+def discounted_returns(rewards: Array, mask: Array, *, gamma: float = 1.0) -> Array:
+  """Reward-to-go ``G_t = sum_{k >= t} gamma^(k-t) r_k`` over real steps, ``[B, T]``.
+
+  A reverse ``lax.scan`` (``compute_gae`` with ``V = 0`` and ``lambda = 1``); padding gets 0.
+  """
+  zeros = jnp.zeros_like(rewards)
+  adv, _ = compute_gae(
+      rewards, zeros, zeros, jnp.ones_like(rewards), mask, gamma=gamma, gae_lambda=1.0
+  )
+  return adv
+
+
+def reinforce_pp_advantages(
+    token_rewards: Array, mask: Array, *, gamma: float = 1.0, eps: float = 1e-8
+) -> Array:
+  r"""REINFORCE++ advantages (Hu 2025, arXiv:2501.03262, Sec. 3).
+
+  Per-token rewards (score at the last token minus the per-token KL penalty) are summed to
+  reward-to-go and then whitened over **all real tokens of the batch** (global, not per
+  group)::
+
+      G_t = sum_{k >= t} gamma^(k-t) r_k
+      A_t = (G_t - mean(G)) / (std(G) + eps)
+
+  Args:
+    token_rewards: ``[B, T]`` f32.
+    mask: ``[B, T]``, 1 for real response tokens.
+    gamma: discount (1 for LLMs).
+    eps: added to the std.
+
+  Returns:
+    ``[B, T]`` advantages, 0 on padding (``stop_gradient``).
+  """
+  returns = discounted_returns(token_rewards, mask, gamma=gamma)
+  return jax.lax.stop_gradient(normalize_advantages(returns, mask, eps))
+
+
+PenaltyFn = Callable[[PyTree, Mapping[str, Array], Array, Array], tuple[Array, dict[str, Array]]]
+
+
+def ppo_update_with_penalty(
+    state: PPOState,
+    batch: Mapping[str, Array],
+    key: Array,
+    *,
+    apply_fn: ApplyFn,
+    optimizer: optax.GradientTransformation,
+    config: PPOConfig,
+    penalty_fn: PenaltyFn,
+) -> tuple[PPOState, dict[str, Array]]:
+  """`ppo_update` with an extra differentiable term added to each minibatch's `ppo_loss`.
+
+  The alignment trainer uses it for the KL penalty *in the loss* (GRPO, Shao et al. 2024,
+  eq. 3: ``loss += beta * agg(k(log pi, log pi_ref))``); everything else (permutations,
+  minibatching, metrics, ``ratio_first``) is exactly `ppo_update`'s.
+
+  Args:
+    state, batch, key, apply_fn, optimizer, config: as `ppo_update`.
+    penalty_fn: ``penalty_fn(params, minibatch, log_probs, mask) -> (scalar, metrics)``, where
+      ``log_probs`` are ``apply_fn``'s (so the gradient flows through them); its value is added
+      to the loss and its metrics are averaged like the others.
+
+  Returns / Raises: as `ppo_update`.
+  """
+  n = _check_batch(batch, config.num_minibatches)
+  mb = n // config.num_minibatches
+
+  def loss_fn(params, minibatch):
+    log_probs, values, entropy = apply_fn(params, minibatch)
+    loss, metrics = ppo_loss(
+        log_probs,
+        minibatch["log_probs"],
+        minibatch["advantages"],
+        values,
+        minibatch["values"],
+        minibatch["returns"],
+        minibatch["mask"],
+        entropy,
+        config=config,
+    )
+    penalty, penalty_metrics = penalty_fn(params, minibatch, log_probs, minibatch["mask"])
+    return loss + penalty, dict(metrics, **penalty_metrics)
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def sgd_step(state: PPOState, minibatch):
+    (loss, metrics), grads = grad_fn(state.params, minibatch)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
@@ -405,7 +603,7 @@ def ppo_update(
     return jax.lax.scan(sgd_step, state, shuffled)
 
   state, metrics = jax.lax.scan(epoch, state, jax.random.split(key, config.num_epochs))
-  # metrics leaves: [num_epochs, num_minibatches].
   out = jax.tree.map(jnp.mean, metrics)
   out["ratio_first"] = metrics["ratio"][0, 0]
+  out["clipfrac_first"] = metrics["clipfrac"][0, 0]
   return state, out

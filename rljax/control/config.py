@@ -53,6 +53,11 @@ class ControlConfig:
     seed: PRNG seed; the same seed gives bitwise-equal runs on the same machine.
     env_kwargs: extra keyword arguments for ``rljax.envs.make``.
     keep_checkpoints: number of checkpoints orbax keeps.
+    nonfinite: what a non-finite reward, observation, loss or gradient does:
+      ``"skip"`` skips that update (parameters, optimizer and normaliser unchanged)
+      with a warning naming the chunk and the quantity; ``"halt"`` also stops the
+      run after checkpointing the (still finite) state. Skips are counted in the
+      ``nonfinite/skipped_updates`` metric.
   """
 
   env: str = "playground/CartpoleBalance"
@@ -84,6 +89,7 @@ class ControlConfig:
   seed: int = 0
   env_kwargs: tuple[tuple[str, Any], ...] = ()
   keep_checkpoints: int = 3
+  nonfinite: str = "skip"
 
   def __post_init__(self):
     positive_ints = (
@@ -100,6 +106,8 @@ class ControlConfig:
         raise ConfigError(f"{name} must be a non-negative integer, got {value!r}.")
     if not self.learning_rate > 0:
       raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate!r}.")
+    if self.nonfinite not in ("skip", "halt"):
+      raise ConfigError(f"nonfinite must be 'skip' or 'halt', got {self.nonfinite!r}.")
     if self.lr_schedule not in ("constant", "linear", "cosine"):
       raise ConfigError(
           f"lr_schedule must be 'constant', 'linear' or 'cosine', got {self.lr_schedule!r}."

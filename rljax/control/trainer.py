@@ -22,6 +22,8 @@ import functools
 import json
 import math
 import os
+import signal
+import threading
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -51,6 +53,8 @@ class TrainState(NamedTuple):
     obs_stats: observation normaliser statistics.
     key: ``[2]`` uint32 PRNG key.
     iteration: ``[]`` int32 number of training iterations done.
+    skipped_updates: ``[]`` int32 number of iterations whose update was skipped by the
+      non-finite guard (a non-finite reward, observation, loss or gradient).
   """
 
   params: Any
@@ -58,6 +62,7 @@ class TrainState(NamedTuple):
   obs_stats: running_stats.RunningStats
   key: Array
   iteration: Array
+  skipped_updates: Array
 
 
 class Networks(NamedTuple):
@@ -168,6 +173,7 @@ class Trainer:
         obs_stats=running_stats.init(self.networks.config.observation_size),
         key=key_train,
         iteration=jnp.zeros((), jnp.int32),
+        skipped_updates=jnp.zeros((), jnp.int32),
     )
     env_state = jax.jit(self.env.reset)(jax.random.split(key_env, c.num_envs))
     return ts, env_state
@@ -248,9 +254,26 @@ class Trainer:
     )
     if c.normalize_observations:
       stats = running_stats.update(stats, data["obs"])
-    new_ts = TrainState(state.params, state.opt_state, stats, key, ts.iteration + 1)
+    # Non-finite guard (see ppo_update for loss and gradients): a rollout with a
+    # non-finite reward or observation changes neither the parameters, the optimizer
+    # state nor the normaliser.
+    finite_rewards = jnp.all(jnp.isfinite(data["rewards"]))
+    finite_obs = jnp.all(jnp.isfinite(data["obs"])) & jnp.all(jnp.isfinite(data["final_obs"]))
+    apply = finite_rewards & finite_obs & (update_metrics["nonfinite_steps"] == 0)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
+    new_ts = TrainState(
+        params=keep(state.params, ts.params),
+        opt_state=keep(state.opt_state, ts.opt_state),
+        obs_stats=keep(stats, ts.obs_stats),
+        key=key,
+        iteration=ts.iteration + 1,
+        skipped_updates=ts.skipped_updates + (1 - apply.astype(jnp.int32)),
+    )
     update_metrics["train/reward_per_step"] = jnp.mean(data["rewards"])
     update_metrics["train/episodes_done"] = jnp.sum(data["dones"])
+    update_metrics["nonfinite/reward"] = 1.0 - finite_rewards
+    update_metrics["nonfinite/observation"] = 1.0 - finite_obs
+    update_metrics["nonfinite/loss_or_grad"] = (update_metrics["nonfinite_steps"] > 0).astype(jnp.float32)
     return (new_ts, env_state), update_metrics
 
   @functools.cached_property
@@ -264,7 +287,11 @@ class Trainer:
       (ts, env_state), m = jax.lax.scan(
           self._iteration, (ts, env_state), None, length=self.iterations_per_chunk
       )
-      return ts, env_state, jax.tree.map(jnp.mean, m)
+      out = jax.tree.map(jnp.mean, m)
+      for k in ("nonfinite/reward", "nonfinite/observation", "nonfinite/loss_or_grad"):
+        out[k] = jnp.max(m[k])  # 1.0 if it happened in any iteration of the chunk
+      out["nonfinite/skipped_updates"] = ts.skipped_updates.astype(jnp.float32)
+      return ts, env_state, out
 
     return jax.jit(chunk, donate_argnums=(0, 1))
 
@@ -340,10 +367,102 @@ class TrainResult(NamedTuple):
   wall_s: float
   compile_s: float
   num_compiled: int  # distinct compiled versions of the train chunk and the evaluation
+  resumed_from: int | None  # the chunk a resumed run restarted after, else None
+
+
+# Exit status of a run stopped by SIGTERM (SLURM preemption) after checkpointing:
+# EX_TEMPFAIL from sysexits.h, "try again later".
+EXIT_PREEMPTED = 75
+
+
+class Preempted(Exception):
+  """Raised by `train` after SIGTERM: the current chunk finished and was checkpointed."""
+
+  def __init__(self, chunk: int, logdir: str):
+    super().__init__(f"preempted by SIGTERM; checkpointed chunk {chunk} in {logdir}")
+    self.chunk = chunk
+
+
+class NonFiniteHalt(RuntimeError):
+  """Raised with ``nonfinite="halt"`` after checkpointing the last good state."""
 
 
 def _policy_item(ts: TrainState) -> dict[str, Any]:
   return {"params": nnx.to_pure_dict(ts.params), "obs_stats": ts.obs_stats._asdict()}
+
+
+def _train_item(ts: TrainState, env_state, env_steps: int) -> dict[str, Any]:
+  return {
+      "opt_state": ts.opt_state,
+      "key": ts.key,
+      "iteration": ts.iteration,
+      "skipped_updates": ts.skipped_updates,
+      "env_steps": np.asarray(env_steps, np.int64),
+      "env_state": ckpt.to_saveable(env_state),
+  }
+
+
+def _from_items(ts: TrainState, policy: dict, train_item: dict) -> TrainState:
+  params = ts.params
+  nnx.replace_by_pure_dict(params, policy["params"])
+  return TrainState(
+      params=params,
+      opt_state=train_item["opt_state"],
+      obs_stats=running_stats.RunningStats(**policy["obs_stats"]),
+      key=train_item["key"],
+      iteration=train_item["iteration"],
+      skipped_updates=train_item["skipped_updates"],
+  )
+
+
+def _check_same_config(logdir: str, config: ControlConfig) -> None:
+  """A run resumes only with the config it was started with (else it is not exact)."""
+  try:
+    saved = ckpt.read_config(logdir)["control"]
+  except FileNotFoundError:
+    return
+  now = json.loads(config.to_json())
+  diff = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+  if diff:
+    shown = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in sorted(diff.items()))
+    raise ValueError(
+        f"{logdir!r} holds a run with a different config ({shown}); use a new --logdir "
+        f"or the same settings to resume."
+    )
+
+
+def _truncate_jsonl(path: str, last_step: int) -> None:
+  """Drops records logged after ``last_step`` (they are redone after a resume)."""
+  if not os.path.exists(path):
+    return
+  keep = [r for r in metrics_lib.read_jsonl(path) if r["step"] <= last_step]
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(r) + "\n" for r in keep)
+  os.replace(tmp, path)
+
+
+class _SigtermFlag:
+  """Records SIGTERM; the host loop checks it between compiled chunks.
+
+  The handler only sets a flag, so it can never interrupt a checkpoint write.
+  """
+
+  def __init__(self):
+    self.received = False
+    self._previous = None
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    self.received = True
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
 
 
 def train(
@@ -352,90 +471,127 @@ def train(
     *,
     progress: bool = True,
     checkpoints: bool = True,
+    resume: bool = True,
+    log: Callable[[str], None] = print,
 ) -> TrainResult:
   """Trains ``config`` end to end: evaluation, logging and checkpoints in the host loop.
 
   Writes to ``logdir`` (if given): ``metrics.jsonl``, TensorBoard events,
-  ``learning_curve.png``, ``checkpoints/`` (orbax) with ``checkpoints/config.json``.
+  ``learning_curve.png``, ``checkpoints/`` (orbax, the full train state including the
+  environment state, every evaluation) with ``checkpoints/config.json``.
+
+  With ``resume`` (default) and a checkpoint in ``logdir``, the run continues from the
+  newest readable checkpoint and ends bitwise equal to an uninterrupted run. On
+  SIGTERM the current chunk finishes, a checkpoint is written and `Preempted` is
+  raised (scripts exit with `EXIT_PREEMPTED`).
 
   Returns:
     `TrainResult`.
 
   Raises:
-    rljax.control.config.ConfigError, rljax.envs.UnknownEnvError: bad settings, before
-      anything compiles.
+    rljax.control.config.ConfigError, rljax.envs.UnknownEnvError, ValueError: bad
+      settings (or a ``logdir`` holding a run with another config), before anything
+      compiles.
+    Preempted: SIGTERM was received; the state is checkpointed.
+    NonFiniteHalt: ``config.nonfinite == "halt"`` and an update was skipped.
   """
   t_start = time.perf_counter()
+  use_ckpt = logdir is not None and checkpoints
+  if use_ckpt and resume:
+    _check_same_config(logdir, config)
   trainer, params = make_trainer(config)
-  writer = None
+  ts, env_state = trainer.init(params)
+  env_steps, start_chunk, resumed_from = 0, 0, None
   manager = None
+  if use_ckpt:
+    ckpt.write_json_atomic(
+        os.path.join(ckpt.checkpoint_dir(logdir), ckpt.CONFIG_FILE),
+        {"control": json.loads(config.to_json()), "network": dataclasses.asdict(trainer.networks.config)},
+    )
+    manager = ckpt.make_manager(logdir, max_to_keep=config.keep_checkpoints)
+    restored = (
+        ckpt.restore(manager, _policy_item(ts), _train_item(ts, env_state, 0), log=log)
+        if resume else None
+    )
+    if restored is not None:
+      start_chunk, policy_item, train_item = restored
+      ts = _from_items(ts, policy_item, train_item)
+      env_state = ckpt.from_saveable(env_state, train_item["env_state"])
+      env_steps = int(train_item["env_steps"])
+      resumed_from = start_chunk
+      log(f"resuming {logdir} after chunk {start_chunk} ({env_steps:,} env steps)")
+      _truncate_jsonl(os.path.join(logdir, "metrics.jsonl"), start_chunk)
+
+  writer = None
   if logdir is not None:
     writer = metrics_lib.MetricsWriter(
         logdir,
         total=trainer.num_chunks * trainer.env_steps_per_chunk if progress else None,
         console_keys=("eval/episode_reward", "sps"),
     )
-    if checkpoints:
-      ckpt.write_json_atomic(
-          os.path.join(ckpt.checkpoint_dir(logdir), ckpt.CONFIG_FILE),
-          {
-              "control": json.loads(config.to_json()),
-              "network": dataclasses.asdict(trainer.networks.config),
-          },
-      )
-      manager = ckpt.make_manager(logdir, max_to_keep=config.keep_checkpoints)
-
-  ts, env_state = trainer.init(params)
   eval_key = jax.random.PRNGKey(config.seed + 10_000)
   history: list[dict[str, float]] = []
   compile_s = 0.0
-  env_steps = 0
 
-  def log(chunk: int, m: dict[str, Any]):
+  def log_record(chunk: int, m: dict[str, Any]):
     record = {k: float(v) for k, v in m.items()}
     record["env_steps"] = env_steps
     history.append(dict(record, step=chunk))
     if writer is not None:
       writer.write(chunk, record, progress=env_steps)
 
-  t0 = time.perf_counter()
-  ev = trainer.evaluate(ts.params, ts.obs_stats, jax.random.fold_in(eval_key, 0))
-  ev = jax.device_get(ev)
-  eval_s = time.perf_counter() - t0
-  compile_s += eval_s
-  log(0, dict(ev, **{"timing/eval_s": eval_s, "sps": 0.0}))
-
-  for chunk in range(1, trainer.num_chunks + 1):
-    t0 = time.perf_counter()
-    ts, env_state, train_metrics = trainer.train_chunk(ts, env_state)
-    train_metrics = jax.device_get(train_metrics)
-    train_s = time.perf_counter() - t0
-    if chunk == 1:
-      # The first call includes compilation; measure it by timing a second call's
-      # duration in the next chunk, and attribute the difference here.
-      first_train_s = train_s
-    env_steps += trainer.env_steps_per_chunk
-    t1 = time.perf_counter()
-    ev = jax.device_get(trainer.evaluate(ts.params, ts.obs_stats, jax.random.fold_in(eval_key, chunk)))
-    eval_s = time.perf_counter() - t1
-    if chunk == 2:
-      compile_s += max(first_train_s - train_s, 0.0)
-    record = dict(train_metrics)
-    record.update(ev)
-    record.update({
-        "sps": trainer.env_steps_per_chunk / train_s,
-        "timing/train_s": train_s,
-        "timing/eval_s": eval_s,
-        "timing/wall_s": time.perf_counter() - t_start,
-    })
-    log(chunk, record)
+  def save(chunk: int):
     if manager is not None:
-      ckpt.save(manager, chunk, _policy_item(ts), {
-          "opt_state": ts.opt_state,
-          "key": ts.key,
-          "iteration": ts.iteration,
-          "env_steps": np.int64(env_steps),
+      ckpt.save(manager, chunk, _policy_item(ts), _train_item(ts, env_state, env_steps))
+
+  if start_chunk == 0:
+    t0 = time.perf_counter()
+    ev = jax.device_get(trainer.evaluate(ts.params, ts.obs_stats, jax.random.fold_in(eval_key, 0)))
+    compile_s += time.perf_counter() - t0
+    log_record(0, dict(ev, **{"timing/eval_s": time.perf_counter() - t0, "sps": 0.0}))
+
+  skipped_before = int(ts.skipped_updates)
+  first_train_s = None
+  with _SigtermFlag() as sigterm:
+    for chunk in range(start_chunk + 1, trainer.num_chunks + 1):
+      t0 = time.perf_counter()
+      ts, env_state, train_metrics = trainer.train_chunk(ts, env_state)
+      train_metrics = jax.device_get(train_metrics)
+      train_s = time.perf_counter() - t0
+      if first_train_s is None:
+        first_train_s = train_s
+      elif chunk == start_chunk + 2:  # the first call compiled; the second did not
+        compile_s += max(first_train_s - train_s, 0.0)
+      env_steps += trainer.env_steps_per_chunk
+      t1 = time.perf_counter()
+      ev = jax.device_get(
+          trainer.evaluate(ts.params, ts.obs_stats, jax.random.fold_in(eval_key, chunk))
+      )
+      record = dict(train_metrics)
+      record.update(ev)
+      record.update({
+          "sps": trainer.env_steps_per_chunk / train_s,
+          "timing/train_s": train_s,
+          "timing/eval_s": time.perf_counter() - t1,
+          "timing/wall_s": time.perf_counter() - t_start,
       })
+      log_record(chunk, record)
+      save(chunk)
+      skipped = int(ts.skipped_updates)
+      if skipped > skipped_before:
+        which = [k.split("/")[1] for k in ("nonfinite/reward", "nonfinite/observation",
+                                           "nonfinite/loss_or_grad") if train_metrics[k] > 0]
+        msg = (f"non-finite {', '.join(which)} in chunk {chunk} (iterations up to "
+               f"{int(ts.iteration)}): {skipped - skipped_before} update(s) skipped, "
+               f"{skipped} in total")
+        skipped_before = skipped
+        if config.nonfinite == "halt":
+          raise NonFiniteHalt(msg + f"; halted with the last good state checkpointed in {logdir}.")
+        log("warning: " + msg)
+      if sigterm.received and chunk < trainer.num_chunks:
+        if writer is not None:
+          writer.close()
+        raise Preempted(chunk, str(logdir))
 
   wall_s = time.perf_counter() - t_start
   if writer is not None:
@@ -448,7 +604,29 @@ def train(
   if manager is not None:
     manager.close()
   num_compiled = trainer.train_chunk._cache_size() + trainer.evaluate._cache_size()
-  return TrainResult(ts, history, wall_s, compile_s, num_compiled)
+  return TrainResult(ts, history, wall_s, compile_s, num_compiled, resumed_from)
+
+
+def load_params(logdir: str, *, step: int | None = None):
+  """Restores ``(networks, params, obs_stats)`` of a run from ``<logdir>/checkpoints``.
+
+  Raises:
+    FileNotFoundError: no checkpoint or config under ``logdir``.
+  """
+  saved = ckpt.read_config(logdir)
+  net_config = mlp.ActorCriticConfig(
+      **{k: tuple(v) if isinstance(v, list) else v for k, v in saved["network"].items()}
+  )
+  abstract = nnx.eval_shape(lambda: mlp.ActorCritic(net_config, rngs=nnx.Rngs(0)))
+  graphdef, params = nnx.split(abstract, nnx.Param)
+  target = {
+      "params": nnx.to_pure_dict(params),
+      "obs_stats": running_stats.init(net_config.observation_size)._asdict(),
+  }
+  restored = ckpt.restore_policy(logdir, target, step)
+  nnx.replace_by_pure_dict(params, restored["params"])
+  stats = running_stats.RunningStats(**restored["obs_stats"])
+  return Networks(graphdef, net_config), params, stats
 
 
 def load_policy(logdir: str, *, step: int | None = None, deterministic: bool = True):
@@ -462,24 +640,7 @@ def load_policy(logdir: str, *, step: int | None = None, deterministic: bool = T
   Raises:
     FileNotFoundError: no checkpoint or config under ``logdir``.
   """
-  saved = ckpt.read_config(logdir)
-  net_config = mlp.ActorCriticConfig(
-      **{
-          k: tuple(v) if isinstance(v, list) else v
-          for k, v in saved["network"].items()
-      }
-  )
-  abstract = nnx.eval_shape(lambda: mlp.ActorCritic(net_config, rngs=nnx.Rngs(0)))
-  graphdef, abstract_params = nnx.split(abstract, nnx.Param)
-  target = {
-      "params": nnx.to_pure_dict(abstract_params),
-      "obs_stats": running_stats.init(net_config.observation_size)._asdict(),
-  }
-  restored = ckpt.restore_policy(logdir, target, step)
-  params = abstract_params
-  nnx.replace_by_pure_dict(params, restored["params"])
-  stats = running_stats.RunningStats(**restored["obs_stats"])
-  networks = Networks(graphdef, net_config)
+  networks, params, stats = load_params(logdir, step=step)
 
   @jax.jit
   def policy(obs: Array, key: Array | None = None) -> Array:

@@ -1,0 +1,170 @@
+"""Control trainer reliability: exact resume after SIGKILL/SIGTERM, corrupt checkpoints,
+and the non-finite guard."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rljax import envs
+from rljax.control import trainer
+from rljax.control.config import ControlConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "experiments", "train_control.py")
+
+# 6 chunks of 2 iterations each, a checkpoint after every chunk; seconds per chunk.
+SETTINGS = dict(
+    env="playground/CartpoleBalance", num_timesteps=6 * 2 * 16 * 8, num_envs=16, unroll_length=8,
+    num_minibatches=2, num_epochs=2, num_evals=7, num_eval_envs=4, episode_length=50,
+    policy_hidden=(8,), value_hidden=(8,), keep_checkpoints=10,
+)
+LAST_CHUNK = 6
+
+
+def _flags(settings):
+  return [f"--{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in settings.items()]
+
+
+def _cmd(logdir):
+  return [sys.executable, SCRIPT, f"--logdir={logdir}", "--noprogress", "--nocompilation_cache",
+          *_flags(SETTINGS)]
+
+
+def _final_params(logdir):
+  _, params, stats = trainer.load_params(logdir, step=LAST_CHUNK)
+  return [np.asarray(x) for x in jax.tree.leaves((params, stats))]
+
+
+def _assert_bitwise_equal(a, b):
+  assert len(a) == len(b)
+  for x, y in zip(a, b):
+    np.testing.assert_array_equal(x, y)
+
+
+def _wait_for_checkpoint(logdir, chunk, proc, timeout=240):
+  path = os.path.join(logdir, "checkpoints", str(chunk))
+  t0 = time.time()
+  while not os.path.isdir(path):
+    assert proc.poll() is None, f"training exited early: {proc.communicate()}"
+    assert time.time() - t0 < timeout, f"no checkpoint {chunk} after {timeout} s"
+    time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+  """An uninterrupted run of the same command."""
+  logdir = str(tmp_path_factory.mktemp("ref") / "run")
+  out = subprocess.run(_cmd(logdir), capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return logdir
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_is_bitwise_exact(reference_run, tmp_path):
+  logdir = str(tmp_path / "run")
+  kill_after = random.Random().randint(1, LAST_CHUNK - 1)  # an arbitrary chunk
+  proc = subprocess.Popen(_cmd(logdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  _wait_for_checkpoint(logdir, kill_after, proc)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait(timeout=60)
+  assert proc.returncode == -signal.SIGKILL
+  out = subprocess.run(_cmd(logdir), capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "resuming" in out.stdout, out.stdout[-2000:]
+  _assert_bitwise_equal(_final_params(logdir), _final_params(reference_run))
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference_run, tmp_path):
+  logdir = str(tmp_path / "run")
+  proc = subprocess.Popen(_cmd(logdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  _wait_for_checkpoint(logdir, 1, proc)
+  proc.send_signal(signal.SIGTERM)
+  _, stderr = proc.communicate(timeout=240)
+  assert proc.returncode == trainer.EXIT_PREEMPTED == 75, stderr[-3000:]
+  assert "preempted by SIGTERM; checkpointed chunk" in stderr
+  saved = sorted(int(d) for d in os.listdir(os.path.join(logdir, "checkpoints")) if d.isdigit())
+  assert saved[-1] < LAST_CHUNK
+  out = subprocess.run(_cmd(logdir), capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  _assert_bitwise_equal(_final_params(logdir), _final_params(reference_run))
+
+
+def _truncate_largest_file(directory):
+  files = [os.path.join(d, f) for d, _, fs in os.walk(directory) for f in fs]
+  target = max(files, key=os.path.getsize)
+  with open(target, "r+b") as f:
+    f.truncate(os.path.getsize(target) // 2)
+  return target
+
+
+def test_truncated_newest_checkpoint_falls_back_to_previous(tmp_path):
+  config = ControlConfig(**dict(SETTINGS, num_timesteps=3 * 2 * 16 * 8, num_evals=4))
+  logdir = str(tmp_path / "run")
+  done = trainer.train(config, logdir, progress=False)
+  _truncate_largest_file(os.path.join(logdir, "checkpoints", "3", "train_state"))
+  # Corrupt the policy of chunk 3 too, then resume: chunk 3 must be reported and
+  # skipped, chunk 2 restored, and chunk 3 redone to the same result.
+  _truncate_largest_file(os.path.join(logdir, "checkpoints", "3", "policy"))
+  lines = []
+  resumed = trainer.train(config, logdir, progress=False, log=lines.append)
+  assert resumed.resumed_from == 2, lines
+  assert any("checkpoint 3" in l and "unreadable, skipping it" in l for l in lines), lines
+  _assert_bitwise_equal(
+      [np.asarray(x) for x in jax.tree.leaves(resumed.train_state.params)],
+      [np.asarray(x) for x in jax.tree.leaves(done.train_state.params)],
+  )
+
+
+class _NaNRewardAt:
+  """Wraps a Playground env: the reward is NaN at physics time step ``k`` only."""
+
+  def __init__(self, env, k):
+    self.env, self.k = env, k
+
+  def reset(self, rng):
+    return self.env.reset(rng)
+
+  def step(self, state, action):
+    state = self.env.step(state, action)
+    at_k = jnp.abs(state.data.time - self.k * self.env.dt) < 0.5 * self.env.dt
+    return state.replace(reward=jnp.where(at_k, jnp.nan, state.reward))
+
+  def __getattr__(self, name):
+    return getattr(self.env, name)
+
+
+@pytest.mark.parametrize("mode", ["skip", "halt"])
+def test_nan_reward_is_skipped_and_counted(mode, monkeypatch, tmp_path):
+  real_make = envs.make
+  monkeypatch.setattr(envs, "make", lambda name, **kw: _NaNRewardAt(real_make(name, **kw), k=5))
+  monkeypatch.setattr(envs, "_is_playground", lambda env: True)
+  # Episodes of 1000 steps: the NaN happens once, in the first iteration.
+  config = ControlConfig(**dict(SETTINGS, num_timesteps=2 * 2 * 16 * 8, num_evals=3,
+                                episode_length=1000, nonfinite=mode))
+  lines = []
+  if mode == "halt":
+    with pytest.raises(trainer.NonFiniteHalt, match=r"non-finite reward.* in chunk 1"):
+      trainer.train(config, str(tmp_path / "run"), progress=False, log=lines.append)
+    _, params, _ = trainer.load_params(str(tmp_path / "run"), step=1)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
+    return
+  result = trainer.train(config, None, progress=False, log=lines.append)
+  assert int(result.train_state.skipped_updates) == 1
+  assert result.history[1]["nonfinite/skipped_updates"] == 1.0
+  assert result.history[1]["nonfinite/reward"] == 1.0
+  assert result.history[2]["nonfinite/reward"] == 0.0
+  assert any("non-finite reward" in l and "in chunk 1" in l for l in lines), lines
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(result.train_state.params))
+  # The other iteration did update: parameters moved from their initial values.
+  _, init_params = trainer.make_trainer(config)
+  assert any(not np.array_equal(a, b) for a, b in
+             zip(jax.tree.leaves(init_params), jax.tree.leaves(result.train_state.params)))
