@@ -33,9 +33,17 @@ def _flags(settings):
   return [f"--{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in settings.items()]
 
 
-def _cmd(logdir):
-  return [sys.executable, SCRIPT, f"--logdir={logdir}", "--noprogress", "--nocompilation_cache",
-          *_flags(SETTINGS)]
+def _cmd(logdir, cache):
+  # One persistent compilation cache for all runs of this module: the runs after the
+  # first load their programs instead of compiling them (same executables, so the
+  # results are unchanged).
+  return [sys.executable, SCRIPT, f"--logdir={logdir}", "--noprogress",
+          f"--compilation_cache_dir={cache}", *_flags(SETTINGS)]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("jax_cache"))
 
 
 def _final_params(logdir):
@@ -59,33 +67,33 @@ def _wait_for_checkpoint(logdir, chunk, proc, timeout=240):
 
 
 @pytest.fixture(scope="module")
-def reference_run(tmp_path_factory):
+def reference_run(tmp_path_factory, cache):
   """An uninterrupted run of the same command."""
   logdir = str(tmp_path_factory.mktemp("ref") / "run")
-  out = subprocess.run(_cmd(logdir), capture_output=True, text=True, timeout=600)
+  out = subprocess.run(_cmd(logdir, cache), capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   return logdir
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_is_bitwise_exact(reference_run, tmp_path):
+def test_sigkill_then_resume_is_bitwise_exact(reference_run, cache, tmp_path):
   logdir = str(tmp_path / "run")
   kill_after = random.Random().randint(1, LAST_CHUNK - 1)  # an arbitrary chunk
-  proc = subprocess.Popen(_cmd(logdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(_cmd(logdir, cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   _wait_for_checkpoint(logdir, kill_after, proc)
   proc.send_signal(signal.SIGKILL)
   proc.wait(timeout=60)
   assert proc.returncode == -signal.SIGKILL
-  out = subprocess.run(_cmd(logdir), capture_output=True, text=True, timeout=600)
+  out = subprocess.run(_cmd(logdir, cache), capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "resuming" in out.stdout, out.stdout[-2000:]
   _assert_bitwise_equal(_final_params(logdir), _final_params(reference_run))
 
 
 @pytest.mark.slow
-def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference_run, tmp_path):
+def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference_run, cache, tmp_path):
   logdir = str(tmp_path / "run")
-  proc = subprocess.Popen(_cmd(logdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(_cmd(logdir, cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   _wait_for_checkpoint(logdir, 1, proc)
   proc.send_signal(signal.SIGTERM)
   _, stderr = proc.communicate(timeout=240)
@@ -93,7 +101,7 @@ def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference_run, tmp_pat
   assert "preempted by SIGTERM; checkpointed chunk" in stderr
   saved = sorted(int(d) for d in os.listdir(os.path.join(logdir, "checkpoints")) if d.isdigit())
   assert saved[-1] < LAST_CHUNK
-  out = subprocess.run(_cmd(logdir), capture_output=True, text=True, timeout=600)
+  out = subprocess.run(_cmd(logdir, cache), capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   _assert_bitwise_equal(_final_params(logdir), _final_params(reference_run))
 

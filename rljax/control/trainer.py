@@ -38,7 +38,7 @@ from rljax import envs
 from rljax import metrics as metrics_lib
 from rljax import ppo
 from rljax import running_stats
-from rljax.control.config import ControlConfig
+from rljax.control.config import ConfigError, ControlConfig
 from rljax.models import mlp
 
 Array = jax.Array
@@ -157,6 +157,32 @@ class Trainer:
   iterations_per_chunk: int
   num_chunks: int
   episode_length: int
+  mesh: jax.sharding.Mesh | None = None
+
+  # -- placement over a device mesh ---------------------------------------------------
+
+  def _env_sharding(self, x):
+    P = jax.sharding.PartitionSpec
+    # The data axes of size > 1, in the normal form XLA gives its outputs (so a
+    # chunk's outputs match its inputs and nothing recompiles).
+    axes = tuple(a for a in ("data", "fsdp") if self.mesh.shape.get(a, 1) > 1)
+    spec = P(axes[0] if len(axes) == 1 else axes) if axes else P()
+    batched = getattr(x, "ndim", 0) > 0 and x.shape[0] == self.config.num_envs and x.size > 0
+    return jax.sharding.NamedSharding(self.mesh, spec if batched else P())
+
+  def place(self, ts: TrainState, env_state, *, inside_jit: bool = False):
+    """Environments split over the mesh's data axes; learner state replicated.
+
+    Outside jit this moves the arrays; inside jit it constrains their shardings so
+    that every chunk's outputs are laid out like its inputs (no recompilation).
+    """
+    if self.mesh is None:
+      return ts, env_state
+    put = jax.lax.with_sharding_constraint if inside_jit else jax.device_put
+    replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    ts = jax.tree.map(lambda x: put(x, replicated), ts)
+    env_state = jax.tree.map(lambda x: put(x, self._env_sharding(x)), env_state)
+    return ts, env_state
 
   @property
   def env_steps_per_chunk(self) -> int:
@@ -176,7 +202,7 @@ class Trainer:
         skipped_updates=jnp.zeros((), jnp.int32),
     )
     env_state = jax.jit(self.env.reset)(jax.random.split(key_env, c.num_envs))
-    return ts, env_state
+    return self.place(ts, env_state)
 
   # -- the compiled training iteration --------------------------------------------------
 
@@ -284,9 +310,11 @@ class Trainer:
     """
 
     def chunk(ts, env_state):
+      ts, env_state = self.place(ts, env_state, inside_jit=True)
       (ts, env_state), m = jax.lax.scan(
           self._iteration, (ts, env_state), None, length=self.iterations_per_chunk
       )
+      ts, env_state = self.place(ts, env_state, inside_jit=True)
       out = jax.tree.map(jnp.mean, m)
       for k in ("nonfinite/reward", "nonfinite/observation", "nonfinite/loss_or_grad"):
         out[k] = jnp.max(m[k])  # 1.0 if it happened in any iteration of the chunk
@@ -323,12 +351,33 @@ class Trainer:
     return jax.jit(run)
 
 
-def make_trainer(config: ControlConfig, params_key: Array | None = None):
+def make_trainer(
+    config: ControlConfig,
+    params_key: Array | None = None,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+):
   """Builds the environments, networks and optimizer; returns ``(trainer, params)``.
+
+  Args:
+    config: the run's config.
+    params_key: PRNG key for the initial parameters (default: from ``config.seed``).
+    mesh: optional device mesh. The ``num_envs`` environments (and so every batch)
+      are split over its ``data`` and ``fsdp`` axes and the learner state is
+      replicated; jit's partitioner then computes the gradient of the global batch,
+      equal to the 1-device gradient.
 
   Raises:
     rljax.envs.UnknownEnvError: unknown ``config.env``.
+    ConfigError: ``num_envs`` not divisible by the mesh's data axes.
   """
+  if mesh is not None:
+    n_data = math.prod(mesh.shape[a] for a in ("data", "fsdp") if a in mesh.axis_names)
+    if config.num_envs % n_data or config.num_eval_envs % n_data:
+      raise ConfigError(
+          f"num_envs={config.num_envs} and num_eval_envs={config.num_eval_envs} must be "
+          f"divisible by the mesh's data axes ({n_data} devices: {dict(mesh.shape)})."
+      )
   from brax.envs.wrappers import training as brax_training
 
   env = envs.make(config.env, **dict(config.env_kwargs))
@@ -355,6 +404,7 @@ def make_trainer(config: ControlConfig, params_key: Array | None = None):
       iterations_per_chunk=iterations_per_chunk,
       num_chunks=num_chunks,
       episode_length=episode_length,
+      mesh=mesh,
   )
   return trainer, params
 
@@ -473,6 +523,7 @@ def train(
     checkpoints: bool = True,
     resume: bool = True,
     log: Callable[[str], None] = print,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> TrainResult:
   """Trains ``config`` end to end: evaluation, logging and checkpoints in the host loop.
 
@@ -499,7 +550,7 @@ def train(
   use_ckpt = logdir is not None and checkpoints
   if use_ckpt and resume:
     _check_same_config(logdir, config)
-  trainer, params = make_trainer(config)
+  trainer, params = make_trainer(config, mesh=mesh)
   ts, env_state = trainer.init(params)
   env_steps, start_chunk, resumed_from = 0, 0, None
   manager = None
@@ -517,6 +568,7 @@ def train(
       start_chunk, policy_item, train_item = restored
       ts = _from_items(ts, policy_item, train_item)
       env_state = ckpt.from_saveable(env_state, train_item["env_state"])
+      ts, env_state = trainer.place(ts, env_state)
       env_steps = int(train_item["env_steps"])
       resumed_from = start_chunk
       log(f"resuming {logdir} after chunk {start_chunk} ({env_steps:,} env steps)")
