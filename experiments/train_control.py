@@ -22,6 +22,7 @@ import time
 from absl import app, flags
 
 from rljax import runtime
+from rljax.sharding import distributed
 
 _ENV = flags.DEFINE_string("env", "playground/CartpoleBalance", "Environment name (rljax.envs.list_envs()).")
 _LOGDIR = flags.DEFINE_string("logdir", None, "Output directory (default runs/<env>-<time>).")
@@ -29,6 +30,14 @@ _CACHE = flags.DEFINE_bool("compilation_cache", True, "Use JAX's persistent comp
 _CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", None, "Cache directory (default ~/.cache/rljax).")
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Print tracebacks for user errors.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
+_MESH = flags.DEFINE_string(
+    "mesh", None, "Device mesh D,F,T (data, fsdp, tensor sizes); default: all devices on data."
+)
+_RULES = flags.DEFINE_string(
+    "sharding_rules", "dp", "Sharding preset (dp, fsdp, fsdp_tp). The control MLP is small and "
+    "always replicated; environments and batches are split over the data and fsdp axes."
+)
+distributed.define_flags()
 _RESUME = flags.DEFINE_bool(
     "resume", True, "Continue from the newest checkpoint in --logdir when there is one."
 )
@@ -91,13 +100,30 @@ def build_config():
   return default_config(_ENV.value).replace(**overrides)
 
 
+def build_mesh(config):
+  """The ``--mesh`` device mesh, or ``None`` on one device. Checks divisibility first."""
+  import jax
+
+  from rljax.sharding import mesh as mesh_lib
+  from rljax.sharding import rules
+
+  rules.as_preset(_RULES.value)
+  if _MESH.value is None and jax.device_count() == 1:
+    return None
+  mesh = mesh_lib.make_mesh(mesh_lib.parse_mesh_flag(_MESH.value))
+  mesh_lib.check_batch_divisible(config.num_envs, mesh, what="num_envs")
+  return mesh
+
+
 def main(argv):
   del argv
 
   runtime.configure_logging(_VERBOSE.value)
 
   def run():
+    distributed.initialize_from_flags()  # no-op for one process outside SLURM
     config = build_config()  # validates before anything compiles
+    mesh = build_mesh(config)
     logdir = _LOGDIR.value or os.path.join(
         "runs", f"{config.env.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
@@ -109,7 +135,9 @@ def main(argv):
     from rljax.control import trainer
 
     try:
-      result = trainer.train(config, logdir, progress=_PROGRESS.value, resume=_RESUME.value)
+      result = trainer.train(
+          config, logdir, progress=_PROGRESS.value, resume=_RESUME.value, mesh=mesh
+      )
     except trainer.Preempted as e:
       print(f"{e}; exiting with status {trainer.EXIT_PREEMPTED}", file=sys.stderr)
       return trainer.EXIT_PREEMPTED

@@ -314,6 +314,8 @@ class PPOState(NamedTuple):
 
 ApplyFn = Callable[[PyTree, Mapping[str, Array]], tuple[Array, Array, Array]]
 
+PenaltyFn = Callable[[PyTree, Mapping[str, Array], Array, Array], tuple[Array, dict[str, Array]]]
+
 # Keys of the batch that ``ppo_update`` reads besides what ``apply_fn`` reads.
 BATCH_KEYS = ("log_probs", "values", "advantages", "returns", "mask")
 
@@ -341,6 +343,7 @@ def ppo_update(
     apply_fn: ApplyFn,
     optimizer: optax.GradientTransformation,
     config: PPOConfig,
+    penalty_fn: PenaltyFn | None = None,
 ) -> tuple[PPOState, dict[str, Array]]:
   """``num_epochs x num_minibatches`` steps of SGD on the PPO loss, inside ``lax.scan``.
 
@@ -359,12 +362,18 @@ def ppo_update(
       shaped like ``minibatch['mask']``; the only domain-specific piece.
     optimizer: the optax transformation (gradient clipping belongs in it).
     config: loss and update hyperparameters.
+    penalty_fn: optional extra differentiable term added to each minibatch's loss:
+      ``penalty_fn(params, minibatch, log_probs, mask) -> (scalar, metrics)``, where
+      ``log_probs`` are ``apply_fn``'s (the gradient flows through them). The
+      alignment trainer uses it for a KL penalty *in the loss* (GRPO, Shao et al.
+      2024, eq. 3: ``loss += beta * agg(k(log pi, log pi_ref))``).
 
   Returns:
     ``(new_state, metrics)``; metrics are means over all minibatch steps of the
     ``ppo_loss`` metrics plus ``loss`` and ``grad_norm``; ``ratio_first``: the
     mean ratio of the first minibatch of the first epoch (exactly 1.0 when the
-    rollout's log-probs were computed with the same parameters); and
+    rollout's log-probs were computed with the same parameters) and
+    ``clipfrac_first`` likewise; and
     ``nonfinite_steps``: how many minibatch steps were skipped because the loss or
     the gradient was not finite (those steps leave params and optimizer state as
     they were).
@@ -378,7 +387,7 @@ def ppo_update(
 
   def loss_fn(params, minibatch):
     log_probs, values, entropy = apply_fn(params, minibatch)
-    return ppo_loss(
+    loss, metrics = ppo_loss(
         log_probs,
         minibatch["log_probs"],
         minibatch["advantages"],
@@ -389,6 +398,10 @@ def ppo_update(
         entropy,
         config=config,
     )
+    if penalty_fn is None:
+      return loss, metrics
+    penalty, penalty_metrics = penalty_fn(params, minibatch, log_probs, minibatch["mask"])
+    return loss + penalty, dict(metrics, **penalty_metrics)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -418,6 +431,7 @@ def ppo_update(
   # metrics leaves: [num_epochs, num_minibatches].
   out = jax.tree.map(jnp.mean, metrics)
   out["ratio_first"] = metrics["ratio"][0, 0]
+  out["clipfrac_first"] = metrics["clipfrac"][0, 0]
   out["nonfinite_steps"] = jnp.sum(metrics.pop("nonfinite"))
   del out["nonfinite"]
   return state, out
@@ -537,73 +551,3 @@ def reinforce_pp_advantages(
   """
   returns = discounted_returns(token_rewards, mask, gamma=gamma)
   return jax.lax.stop_gradient(normalize_advantages(returns, mask, eps))
-
-
-PenaltyFn = Callable[[PyTree, Mapping[str, Array], Array, Array], tuple[Array, dict[str, Array]]]
-
-
-def ppo_update_with_penalty(
-    state: PPOState,
-    batch: Mapping[str, Array],
-    key: Array,
-    *,
-    apply_fn: ApplyFn,
-    optimizer: optax.GradientTransformation,
-    config: PPOConfig,
-    penalty_fn: PenaltyFn,
-) -> tuple[PPOState, dict[str, Array]]:
-  """`ppo_update` with an extra differentiable term added to each minibatch's `ppo_loss`.
-
-  The alignment trainer uses it for the KL penalty *in the loss* (GRPO, Shao et al. 2024,
-  eq. 3: ``loss += beta * agg(k(log pi, log pi_ref))``); everything else (permutations,
-  minibatching, metrics, ``ratio_first``) is exactly `ppo_update`'s.
-
-  Args:
-    state, batch, key, apply_fn, optimizer, config: as `ppo_update`.
-    penalty_fn: ``penalty_fn(params, minibatch, log_probs, mask) -> (scalar, metrics)``, where
-      ``log_probs`` are ``apply_fn``'s (so the gradient flows through them); its value is added
-      to the loss and its metrics are averaged like the others.
-
-  Returns / Raises: as `ppo_update`.
-  """
-  n = _check_batch(batch, config.num_minibatches)
-  mb = n // config.num_minibatches
-
-  def loss_fn(params, minibatch):
-    log_probs, values, entropy = apply_fn(params, minibatch)
-    loss, metrics = ppo_loss(
-        log_probs,
-        minibatch["log_probs"],
-        minibatch["advantages"],
-        values,
-        minibatch["values"],
-        minibatch["returns"],
-        minibatch["mask"],
-        entropy,
-        config=config,
-    )
-    penalty, penalty_metrics = penalty_fn(params, minibatch, log_probs, minibatch["mask"])
-    return loss + penalty, dict(metrics, **penalty_metrics)
-
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-
-  def sgd_step(state: PPOState, minibatch):
-    (loss, metrics), grads = grad_fn(state.params, minibatch)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
-    return PPOState(params, opt_state), metrics
-
-  def epoch(state: PPOState, epoch_key):
-    perm = jax.random.permutation(epoch_key, n)
-    shuffled = jax.tree.map(
-        lambda x: jnp.take(x, perm, axis=0).reshape((config.num_minibatches, mb) + x.shape[1:]),
-        dict(batch),
-    )
-    return jax.lax.scan(sgd_step, state, shuffled)
-
-  state, metrics = jax.lax.scan(epoch, state, jax.random.split(key, config.num_epochs))
-  out = jax.tree.map(jnp.mean, metrics)
-  out["ratio_first"] = metrics["ratio"][0, 0]
-  out["clipfrac_first"] = metrics["clipfrac"][0, 0]
-  return state, out

@@ -1,0 +1,229 @@
+"""Generation throughput: rljax's KV-cache sampler vs Hugging Face ``generate``, one process.
+
+Setup (issue 3): a Qwen2-style model of ~28M parameters made with ``transformers`` and saved to a
+temporary folder (hidden 512, 8 layers, 8 heads, 2 KV heads, SwiGLU width 1536, vocabulary 8192,
+tied embeddings); prompts of 64 random tokens; 128 new tokens; multinomial sampling at temperature
+1 over the full vocabulary (HF: ``do_sample=True, top_k=0, top_p=1``); no EOS, so both run all 128
+steps. HF runs PyTorch on CPU with its KV cache; rljax loads the same checkpoint with
+``rljax.models.load_hf_checkpoint``. The headline comparison is f32 against f32; rljax is also
+timed sampling from a bf16 copy of the weights (``SamplingConfig(dtype='bfloat16')``, f32
+accumulation), reported in separate columns.
+
+tokens/s = batch_size * new_tokens / wall time of one generate call (prefill included), the median
+of ``--repeats`` calls after one warm-up call. ``rljax_compile_s`` is the first call's wall time
+minus the median.
+
+The decode roofline (see ``benchmarks/README.md``) uses this machine's measured memory bandwidth
+(a weight-streaming GEMV larger than the caches) and f32 matmul throughput (a large GEMM):
+
+  t_step(B) = max((W + KV(B)) / BW, (2 * N * B + A(B)) / F),   roofline = B / t_step(B)
+
+Usage::
+
+  python benchmarks/generation_throughput.py --out /tmp/generation.json
+
+The JSON holds ``results``: one object per batch size with ``batch_size``,
+``rljax_tokens_per_s``, ``hf_tokens_per_s``, ``ratio_vs_hf``, ``rljax_compile_s``,
+``roofline_tokens_per_s`` (f32) and ``rljax_bf16_tokens_per_s``, ``ratio_bf16_vs_hf``,
+``roofline_bf16_tokens_per_s``; plus the measured ``machine`` figures and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import transformers
+
+from rljax import sampling
+from rljax.models import hf_io
+
+
+def make_checkpoint(path: str, *, vocab: int, hidden: int, layers: int, heads: int,
+                    kv_heads: int, mlp: int, seed: int = 0) -> transformers.PreTrainedModel:
+  torch.manual_seed(seed)
+  config = transformers.Qwen2Config(
+      vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+      num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=True,
+      max_position_embeddings=4096, use_sliding_window=False)
+  model = transformers.Qwen2ForCausalLM(config).eval()
+  model.save_pretrained(path)
+  return model
+
+
+def measure_machine(repeats: int = 7) -> dict[str, float]:
+  """Memory bandwidth (bytes/s) from a 128 MiB f32 GEMV; f32 and bf16 (f32-accumulated) matmul
+  throughput (flop/s) from a 1024 x 1024 x 2048 GEMM, all with XLA on this machine."""
+
+  def best(f, *args):
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(repeats):
+      t = time.perf_counter()
+      jax.block_until_ready(f(*args))
+      times.append(time.perf_counter() - t)
+    return min(times)
+
+  mv = jax.jit(lambda x, w: x @ w)
+  w = jnp.ones((8192, 4096), jnp.float32)  # 128 MiB: far beyond the 32 MiB L3
+  x = jnp.ones((1, 8192), jnp.float32)
+  bandwidth = w.nbytes / best(mv, x, w)
+  del w
+  mm = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32))
+  out = {"bandwidth_bytes_per_s": bandwidth}
+  for name, dtype in (("matmul_flops_per_s", jnp.float32),
+                      ("bf16_matmul_flops_per_s", jnp.bfloat16)):
+    a = jnp.ones((1024, 1024), dtype)
+    b = jnp.ones((1024, 2048), dtype)
+    out[name] = 2 * 1024 * 1024 * 2048 / best(mm, a, b)
+  return out
+
+
+def roofline_tokens_per_s(batch: int, *, n_params: int, weight_bytes: int, layers: int,
+                          kv_heads: int, heads: int, head_dim: int, prompt_len: int,
+                          new_tokens: int, bandwidth: float, flops: float,
+                          bytes_per_el: int = 4) -> float:
+  """Decode bound at the mean cache length ``S = P + R / 2``; see the module docstring."""
+  s = prompt_len + new_tokens / 2
+  kv_bytes = batch * layers * 2 * kv_heads * s * head_dim * bytes_per_el
+  attn_flops = batch * layers * 2 * 2 * heads * s * head_dim
+  t_mem = (weight_bytes + kv_bytes) / bandwidth
+  t_compute = (2 * n_params * batch + attn_flops) / flops
+  return batch / max(t_mem, t_compute)
+
+
+def time_calls(fn, repeats: int) -> tuple[float, float]:
+  t = time.perf_counter()
+  fn()
+  first = time.perf_counter() - t
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t)
+  return first, statistics.median(times)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--batch-sizes", default="1,8,32")
+  parser.add_argument("--prompt-len", type=int, default=64)
+  parser.add_argument("--new-tokens", type=int, default=128)
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--vocab", type=int, default=8192)
+  parser.add_argument("--hidden", type=int, default=512)
+  parser.add_argument("--layers", type=int, default=8)
+  parser.add_argument("--heads", type=int, default=8)
+  parser.add_argument("--kv-heads", type=int, default=2)
+  parser.add_argument("--mlp", type=int, default=1536)
+  parser.add_argument("--skip-hf", action="store_true", help="time rljax only")
+  parser.add_argument("--no-bf16", dest="bf16", action="store_false",
+                      help="skip the rljax run with bf16 weights "
+                      "(SamplingConfig(dtype='bfloat16'))")
+  parser.add_argument("--out", default=None, help="write the results as JSON here")
+  args = parser.parse_args(argv)
+  batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+  p, r = args.prompt_len, args.new_tokens
+
+  machine = measure_machine()
+  print(f"machine: {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
+        f"bandwidth {machine['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
+        f"f32 matmul {machine['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s, "
+        f"bf16 matmul {machine['bf16_matmul_flops_per_s'] / 1e9:.0f} GFLOP/s", flush=True)
+
+  rows = []
+  with tempfile.TemporaryDirectory() as ckpt:
+    hf_model = make_checkpoint(ckpt, vocab=args.vocab, hidden=args.hidden, layers=args.layers,
+                               heads=args.heads, kv_heads=args.kv_heads, mlp=args.mlp)
+    model = hf_io.load_hf_checkpoint(ckpt)
+    cfg = model.config
+    n_params = cfg.num_params()  # every weight is read once per decode step (tied head included)
+    print(f"model: {n_params / 1e6:.1f}M parameters, {4 * n_params / 1e6:.0f} MB f32", flush=True)
+    samplers = {
+        dtype: sampling.Sampler(model, sampling.SamplingConfig(
+            max_new_tokens=r, temperature=1.0, eos_token_ids=(), pad_token_id=0, dtype=dtype))
+        for dtype in (["float32", "bfloat16"] if args.bf16 else ["float32"])}
+    rng = np.random.default_rng(0)
+    for b in batch_sizes:
+      prompts = rng.integers(0, args.vocab, size=(b, p))
+      seeds = iter(range(1_000_000))
+      timed = {}
+      for dtype, sampler in samplers.items():
+        timed[dtype] = time_calls(
+            lambda: sampler.generate(prompts.tolist(), seed=next(seeds)), args.repeats)
+      first, rl_s = timed["float32"]
+      rl_tps = b * r / rl_s
+      hf_tps = float("nan")
+      if not args.skip_hf:
+        ids = torch.tensor(prompts)
+        attn = torch.ones_like(ids)
+
+        def hf_generate():
+          with torch.no_grad():
+            out = hf_model.generate(
+                input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_k=0,
+                top_p=1.0, max_new_tokens=r, min_new_tokens=r, use_cache=True,
+                pad_token_id=0, eos_token_id=None)
+          assert out.shape == (b, p + r), out.shape
+
+        _, hf_s = time_calls(hf_generate, args.repeats)
+        hf_tps = b * r / hf_s
+      geometry = dict(n_params=n_params, layers=cfg.num_layers, kv_heads=cfg.num_kv_heads,
+                      heads=cfg.num_heads, head_dim=cfg.head_dim, prompt_len=p, new_tokens=r,
+                      bandwidth=machine["bandwidth_bytes_per_s"])
+      row = {
+          "batch_size": b,
+          "rljax_tokens_per_s": round(rl_tps, 1),
+          "hf_tokens_per_s": round(hf_tps, 1),
+          "ratio_vs_hf": round(rl_tps / hf_tps, 2) if hf_tps == hf_tps else None,
+          "rljax_compile_s": round(first - rl_s, 2),
+          "roofline_tokens_per_s": round(roofline_tokens_per_s(
+              b, weight_bytes=4 * n_params, flops=machine["matmul_flops_per_s"], **geometry), 1),
+      }
+      if "bfloat16" in timed:
+        bf_tps = b * r / timed["bfloat16"][1]
+        row.update({
+            "rljax_bf16_tokens_per_s": round(bf_tps, 1),
+            "ratio_bf16_vs_hf": round(bf_tps / hf_tps, 2) if hf_tps == hf_tps else None,
+            "roofline_bf16_tokens_per_s": round(roofline_tokens_per_s(
+                b, weight_bytes=2 * n_params, flops=machine["bf16_matmul_flops_per_s"],
+                bytes_per_el=2, **geometry), 1),
+        })
+      rows.append(row)
+      print(json.dumps(row), flush=True)
+
+  header = ["batch", "rljax f32 tok/s", "HF f32 tok/s", "ratio", "compile s",
+            "roofline f32 tok/s"]
+  if args.bf16:
+    header += ["rljax bf16 tok/s", "bf16 ratio", "roofline bf16 tok/s"]
+  print("\n| " + " | ".join(header) + " |")
+  print("|" + "---|" * len(header))
+  for row in rows:
+    cells = [row["batch_size"], f"{row['rljax_tokens_per_s']:.0f}",
+             f"{row['hf_tokens_per_s']:.0f}", f"{row['ratio_vs_hf']}",
+             f"{row['rljax_compile_s']:.1f}", f"{row['roofline_tokens_per_s']:.0f}"]
+    if args.bf16:
+      cells += [f"{row['rljax_bf16_tokens_per_s']:.0f}", f"{row['ratio_bf16_vs_hf']}",
+                f"{row['roofline_bf16_tokens_per_s']:.0f}"]
+    print("| " + " | ".join(str(c) for c in cells) + " |")
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump({"results": rows, "machine": machine, "n_params": n_params, "load_avg":
+                 os.getloadavg(),
+                 "prompt_len": p, "new_tokens": r, "jax": jax.__version__,
+                 "torch": torch.__version__, "transformers": transformers.__version__}, f,
+                indent=2)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

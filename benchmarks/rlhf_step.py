@@ -1,0 +1,194 @@
+r"""One GRPO training step: rljax vs TRL's ``GRPOTrainer`` on the same tiny checkpoint, CPU.
+
+    python benchmarks/rlhf_step.py --out=/tmp/rlhf_step.json
+
+Setup (issue 4): a Llama-style model of ~7M parameters (hidden 256, 4 layers, 4 heads, 2 KV
+heads, vocabulary 8192) made with ``transformers`` and saved to a temporary folder, loaded by
+both; 8 prompts x 4 generations; 64-token prompts; 32 new tokens; a programmatic reward (the
+fraction of even token ids in the completion). TRL runs with its defaults (bf16 autocast,
+gradient checkpointing, beta = 0) and with fp32 and beta = 0.04; rljax runs GRPO at the same
+beta (k3 in the loss, as TRL). Step times are medians over ``--steps`` steps after warm-up.
+
+``flops_floor_s`` = the step's matmul FLOPs (generation 2*N per token, reference forward 2*N
+per token when beta > 0, old-log-prob forward 2*N, policy forward + backward 6*N per token,
+with N the non-embedding parameters + LM head) divided by this machine's measured f32 matmul
+throughput. ``trl`` is a benchmark-only dependency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB, INTER = 256, 4, 4, 2, 8192, 688
+PROMPTS, GROUP, PROMPT_LEN, NEW = 8, 4, 64, 32
+
+
+def make_checkpoint(path: str) -> None:
+  import torch
+  from transformers import LlamaConfig, LlamaForCausalLM
+
+  torch.manual_seed(0)
+  cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
+                    num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                    num_key_value_heads=KV_HEADS, max_position_embeddings=256,
+                    bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+  LlamaForCausalLM(cfg).save_pretrained(path)
+
+
+def make_tokenizer():
+  """A word-level tokenizer with ids ``t0 .. t8191`` (``t0`` pad, ``t1`` bos, ``t2`` eos)."""
+  import tokenizers
+  from tokenizers import models, pre_tokenizers
+  from transformers import PreTrainedTokenizerFast
+
+  vocab = {f"t{i}": i for i in range(VOCAB)}
+  backend = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="t3"))
+  backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="t0", bos_token="t1",
+                                 eos_token="t2", unk_token="t3")
+
+
+def make_prompts(seed: int = 0) -> list[list[int]]:
+  rng = np.random.default_rng(seed)
+  return [[1] + rng.integers(4, VOCAB, PROMPT_LEN - 1).tolist() for _ in range(PROMPTS)]
+
+
+def even_fraction(ids) -> float:
+  ids = list(ids)
+  return float(np.mean([i % 2 == 0 for i in ids])) if ids else 0.0
+
+
+def matmul_flops_per_s() -> float:
+  import jax
+  import jax.numpy as jnp
+
+  a = jnp.ones((1024, 1024), jnp.float32)
+  f = jax.jit(lambda x: x @ x)
+  f(a).block_until_ready()
+  t = time.perf_counter()
+  for _ in range(10):
+    f(a).block_until_ready()
+  return 10 * 2 * 1024 ** 3 / (time.perf_counter() - t)
+
+
+def flops_floor(beta: float, throughput: float) -> float:
+  n = LAYERS * (HIDDEN * HEADS * 64 * 2 + HIDDEN * KV_HEADS * 64 * 2 + 3 * HIDDEN * INTER)
+  n += HIDDEN * VOCAB  # LM head
+  b = PROMPTS * GROUP
+  seq = PROMPT_LEN + NEW
+  gen = 2 * n * b * seq
+  fwd = 2 * n * b * seq
+  train = 6 * n * b * seq
+  total = gen + fwd + train + (fwd if beta > 0 else 0)
+  return total / throughput
+
+
+def rljax_step(path: str, beta: float, steps: int) -> dict:
+  import jax
+
+  from rljax import ppo
+  from rljax.alignment import rlhf
+  from rljax.models.hf_io import load_hf_checkpoint
+
+  model = load_hf_checkpoint(path)
+  prompts = make_prompts()
+
+  class Tok:
+    eos_token_id, pad_token_id = 2, 0
+
+    def decode(self, ids):
+      return " ".join(f"t{i}" for i in ids)
+
+  cfg = rlhf.RLHFConfig(
+      algo="grpo", num_steps=steps + 2, prompts_per_step=PROMPTS, group_size=GROUP,
+      max_new_tokens=NEW, actor_lr=1e-5, kl_coef=beta, kl_estimator="k3", kl_placement="loss",
+      ppo=ppo.PPOConfig(num_epochs=1, num_minibatches=1, normalize_advantages=False))
+  reward = lambda s: np.asarray([even_fraction(r) for r in s.response_ids], np.float32)
+  tr = rlhf.RLHFTrainer(cfg, actor=model, tokenizer=Tok(), prompts=prompts, reward_fn=reward)
+  recs = [tr.step() for _ in range(steps + 2)][2:]  # two warm-up steps (compilation)
+  med = lambda k: statistics.median(r[k] for r in recs)
+  return {"step_s": med("timing/step"),
+          **{k: med(k) for k in recs[0] if k.startswith("timing/")}}
+
+
+def trl_step(path: str, beta: float, bf16_defaults: bool, steps: int) -> float:
+  import torch
+  from datasets import Dataset
+  from transformers import AutoModelForCausalLM, TrainerCallback
+  from trl import GRPOConfig, GRPOTrainer
+
+  tok = make_tokenizer()
+  texts = [" ".join(f"t{i}" for i in p[1:]) for p in make_prompts()]
+  ds = Dataset.from_dict({"prompt": texts * (steps + 4)})
+
+  def reward(completions, **_):
+    return [even_fraction(tok(c, add_special_tokens=False)["input_ids"]) for c in completions]
+
+  times: list[float] = []
+
+  class Timer(TrainerCallback):
+    def on_step_begin(self, args, state, control, **kw):
+      self.t = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kw):
+      times.append(time.perf_counter() - self.t)
+
+  model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+  with tempfile.TemporaryDirectory() as out:
+    args = GRPOConfig(
+        output_dir=out, per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP,
+        max_completion_length=NEW, max_steps=steps + 2, beta=beta, use_cpu=True,
+        bf16=bf16_defaults, gradient_checkpointing=bf16_defaults, report_to=[],
+        logging_steps=1000, save_strategy="no", learning_rate=1e-5, temperature=1.0,
+        disable_tqdm=True)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds,
+                          processing_class=tok, callbacks=[Timer()])
+    trainer.train()
+  return statistics.median(times[2:])
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--out", default=None, help="JSON output path")
+  ap.add_argument("--steps", type=int, default=5, help="timed steps (after 2 warm-up steps)")
+  ap.add_argument("--skip_trl", action="store_true", help="time rljax only")
+  a = ap.parse_args()
+  throughput = matmul_flops_per_s()
+  rows = []
+  with tempfile.TemporaryDirectory() as path:
+    make_checkpoint(path)
+    for name, beta, bf16 in (("TRL defaults (bf16, grad ckpt, beta=0)", 0.0, True),
+                             ("fp32, beta=0.04", 0.04, False)):
+      rj = rljax_step(path, beta, a.steps)
+      trl_s = None if a.skip_trl else trl_step(path, beta, bf16, a.steps)
+      rows.append(dict(setting=name, beta=beta, rljax_step_s=rj["step_s"], trl_step_s=trl_s,
+                       ratio_vs_trl=None if trl_s is None else trl_s / rj["step_s"],
+                       rljax_phases=rj, flops_floor_s=flops_floor(beta, throughput)))
+  print(f"{'setting':42s} {'rljax s':>8s} {'TRL s':>8s} {'ratio':>6s} {'floor s':>8s}")
+  for r in rows:
+    trl_txt = "-" if r["trl_step_s"] is None else f"{r['trl_step_s']:.3f}"
+    ratio = "-" if r["ratio_vs_trl"] is None else f"{r['ratio_vs_trl']:.2f}"
+    print(f"{r['setting']:42s} {r['rljax_step_s']:8.3f} {trl_txt:>8s} {ratio:>6s} "
+          f"{r['flops_floor_s']:8.3f}")
+  # Headline: against the faster TRL setting.
+  timed = [r for r in rows if r["trl_step_s"] is not None]
+  head = min(timed, key=lambda r: r["trl_step_s"]) if timed else rows[0]
+  result = dict(rljax_step_s=head["rljax_step_s"], trl_step_s=head["trl_step_s"],
+                ratio_vs_trl=head["ratio_vs_trl"], rljax_phases=head["rljax_phases"],
+                flops_floor_s=head["flops_floor_s"], headline_setting=head["setting"],
+                matmul_flops_per_s=throughput, rows=rows)
+  if a.out:
+    with open(a.out, "w") as f:
+      json.dump(result, f, indent=2)
+  return result
+
+
+if __name__ == "__main__":
+  main()

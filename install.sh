@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs rljax and its test dependencies into .venv.
+#
+# As root on Debian/Ubuntu it first installs the system packages that rendering and the
+# multi-host tests use: OSMesa (headless MuJoCo rendering on CPU) and SLURM with munge (the
+# local cluster of tests/test_distributed_slurm.py). Elsewhere it prints what to install.
+set -euo pipefail
+cd "$(dirname "$0")"
+SYSTEM_PACKAGES="libosmesa6 slurmctld slurmd slurm-client munge"
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $SYSTEM_PACKAGES >/dev/null
+else
+  echo "install.sh: not root with apt-get; install these yourself if you need them: $SYSTEM_PACKAGES" >&2
+fi
+python3 -m venv .venv
+. .venv/bin/activate
+# torch first: 2.13.0 is a CPU build here; transformers (a test-only reference) then reuses it.
+pip install torch==2.13.0
+pip install -e ".[test]"

@@ -1,0 +1,736 @@
+"""Decoder-only language models in Flax NNX: the Llama 2/3 and Qwen2 families.
+
+One implementation covers both families (Touvron et al. 2023, "Llama 2", arXiv:2307.09288;
+Llama 3 herd, arXiv:2407.21783; Qwen2 technical report, arXiv:2407.10671):
+
+* pre-norm blocks with RMSNorm (Zhang & Sennrich 2019, arXiv:1910.07467);
+* rotary position embeddings (Su et al. 2021, arXiv:2104.09864) with ``rope_theta`` and the
+  ``linear`` and Llama-3 ``rope_scaling`` variants;
+* grouped-query attention (Ainslie et al. 2023, arXiv:2305.13245), optional q/k/v (Qwen2) and
+  output biases;
+* SwiGLU feed-forward (Shazeer 2020, arXiv:2002.05202).
+
+Three heads read the final hidden states ``h [B, T, E]``:
+
+* the language-model head, ``logits = h @ W_vocab`` (tied to the embedding as an option), f32;
+* a value head (critic), one f32 scalar per token, ``values [B, T]``;
+* a reward head, one f32 scalar per sequence read at the last non-padding token, ``rewards [B]``.
+
+Every parameter carries logical axis names (:mod:`rljax.models.axes`) in its ``out_sharding``
+metadata, and activations are annotated with :func:`rljax.models.axes.constrain`. With
+``dtype='bfloat16'`` parameters and activations are bf16 while logits, attention softmax, norms'
+statistics and the scalar heads stay f32.
+
+Layout conventions (shape letters): ``B`` batch, ``T`` query positions, ``S`` key positions or
+KV-cache slots, ``E`` hidden size, ``H`` query heads, ``K`` KV heads, ``G = H / K`` queries per KV
+head, ``D`` head dim, ``M`` MLP hidden size, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rljax.models import axes
+
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+
+# Finite stand-in for -inf in attention scores: a fully masked row (a padding query) then gives
+# a uniform distribution instead of NaN. Same choice as maxtext's DEFAULT_MASK_VALUE.
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+  """RoPE frequency scaling, as in Hugging Face's ``rope_scaling``/``rope_parameters``.
+
+  Attributes:
+    rope_type: ``'linear'`` (every inverse frequency divided by ``factor``) or ``'llama3'``
+      (Llama 3.1: long wavelengths divided by ``factor``, short ones kept, a smooth ramp between).
+    factor: the context extension factor, > 0.
+    low_freq_factor: Llama 3 only: wavelengths above ``original_max / low_freq_factor`` are scaled.
+    high_freq_factor: Llama 3 only: wavelengths below ``original_max / high_freq_factor`` are kept.
+    original_max_position_embeddings: Llama 3 only: the pre-training context length.
+  """
+
+  rope_type: str
+  factor: float
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+  def __post_init__(self):
+    if self.rope_type not in ("linear", "llama3"):
+      raise ValueError(f"rope_type must be 'linear' or 'llama3', got {self.rope_type!r}")
+    if self.factor <= 0:
+      raise ValueError(f"rope scaling factor must be > 0, got {self.factor}")
+    if self.rope_type == "llama3":
+      if not 0 < self.low_freq_factor < self.high_freq_factor:
+        raise ValueError(
+            "llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor, got "
+            f"{self.low_freq_factor}, {self.high_freq_factor}")
+      if self.original_max_position_embeddings <= 0:
+        raise ValueError("original_max_position_embeddings must be > 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LMConfig:
+  """Architecture of a Llama/Qwen2 decoder LM. Frozen and hashable (usable as a static jit arg).
+
+  Attributes:
+    model_type: ``'llama'`` or ``'qwen2'``; only used to name the family when saving.
+    vocab_size: ``V``, rows of the embedding table.
+    hidden_size: ``E``, width of the residual stream.
+    intermediate_size: ``M``, SwiGLU hidden width.
+    num_layers: number of decoder blocks.
+    num_heads: ``H``, query heads.
+    num_kv_heads: ``K``, key/value heads; must divide ``num_heads`` (``K == H`` is plain MHA).
+    head_dim: ``D``; ``None`` means ``hidden_size // num_heads``.
+    rms_norm_eps: epsilon inside RMSNorm's square root.
+    rope_theta: RoPE base wavelength.
+    rope_scaling: optional :class:`RopeScaling`.
+    max_position_embeddings: recorded for Hugging Face export; not a hard limit here.
+    qkv_bias: biases on the q/k/v projections (Qwen2: True; Llama: ``attention_bias``).
+    o_bias: bias on the output projection (Llama ``attention_bias``; Qwen2: False).
+    mlp_bias: biases on the three MLP projections (Llama ``mlp_bias``).
+    tie_word_embeddings: the LM head reuses the embedding table.
+    dtype: ``'float32'`` or ``'bfloat16'``, for parameters and activations. Logits, softmax,
+      normalisation statistics and the value/reward heads are always f32.
+    bos_token_id, eos_token_id, pad_token_id: carried for Hugging Face round trips;
+      ``eos_token_id`` is a tuple (possibly empty) because checkpoints may list several.
+  """
+
+  model_type: str = "llama"
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int | None = None
+  rms_norm_eps: float = 1e-6
+  rope_theta: float = 10_000.0
+  rope_scaling: RopeScaling | None = None
+  max_position_embeddings: int = 2048
+  qkv_bias: bool = False
+  o_bias: bool = False
+  mlp_bias: bool = False
+  tie_word_embeddings: bool = False
+  dtype: str = "float32"
+  bos_token_id: int | None = None
+  eos_token_id: tuple[int, ...] = ()
+  pad_token_id: int | None = None
+
+  def __post_init__(self):
+    if self.model_type not in SUPPORTED_MODEL_TYPES:
+      raise ValueError(
+          f"unsupported model_type {self.model_type!r}; rljax.models supports "
+          f"{SUPPORTED_MODEL_TYPES}")
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
+    if self.head_dim is None:
+      if self.hidden_size % self.num_heads:
+        raise ValueError(
+            f"hidden_size ({self.hidden_size}) is not a multiple of num_heads ({self.num_heads}); "
+            "give head_dim explicitly")
+      object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+    if self.head_dim <= 0 or self.head_dim % 2:
+      raise ValueError(f"head_dim must be a positive even number, got {self.head_dim}")
+    if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+      raise ValueError("rms_norm_eps and rope_theta must be > 0")
+    if self.dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+    eos = self.eos_token_id
+    if eos is None:
+      eos = ()
+    elif isinstance(eos, int):
+      eos = (eos,)
+    object.__setattr__(self, "eos_token_id", tuple(int(e) for e in eos))
+
+  @property
+  def num_groups(self) -> int:
+    """``G``: query heads per KV head."""
+    return self.num_heads // self.num_kv_heads
+
+  @property
+  def jnp_dtype(self) -> jnp.dtype:
+    return jnp.dtype(self.dtype)
+
+  def inv_freq(self) -> np.ndarray:
+    """RoPE inverse frequencies ``[D/2]`` (f32), with ``rope_scaling`` applied.
+
+    ``inv_freq_i = theta^(-2i/D)``. Llama 3 scaling (arXiv:2407.21783, Sec. 3.3) maps wavelength
+    ``w = 2 pi / inv_freq`` through: ``w < L/high``: unchanged; ``w > L/low``: divided by
+    ``factor``; in between, ``(1 - s) * f / factor + s * f`` with
+    ``s = (L / w - low) / (high - low)`` and ``L`` the original context length.
+    """
+    d = self.head_dim
+    inv = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
+    inv = inv.astype(np.float32)
+    rs = self.rope_scaling
+    if rs is None:
+      return inv
+    if rs.rope_type == "linear":
+      return (inv / rs.factor).astype(np.float32)
+    old_len = rs.original_max_position_embeddings
+    low_wavelen = old_len / rs.low_freq_factor
+    high_wavelen = old_len / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    smooth = (old_len / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+  def num_params(self) -> int:
+    """Parameters of the transformer and LM head (the value/reward heads excluded)."""
+    e, d, m = self.hidden_size, self.head_dim, self.intermediate_size
+    h, k = self.num_heads, self.num_kv_heads
+    attn = e * h * d * 2 + e * k * d * 2
+    attn += (h * d + 2 * k * d) * self.qkv_bias + e * self.o_bias
+    mlp = 3 * e * m + (2 * m + e) * self.mlp_bias
+    per_layer = attn + mlp + 2 * e
+    head = 0 if self.tie_word_embeddings else e * self.vocab_size
+    return self.vocab_size * e + self.num_layers * per_layer + e + head
+
+  # ---- Hugging Face config.json ------------------------------------------------------------
+
+  @classmethod
+  def from_hf_config(cls, hf: Mapping[str, Any], *, dtype: str = "float32") -> "LMConfig":
+    """Builds a config from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x keys).
+
+    Reads ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling`` (4.x).
+
+    Raises:
+      ValueError: for an unsupported ``model_type``, activation, RoPE type, or sliding-window
+        attention, naming the offending key.
+    """
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+      raise ValueError(
+          f"unsupported model_type {model_type!r} in config.json; rljax.models supports "
+          f"{SUPPORTED_MODEL_TYPES}")
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+      raise ValueError(f"unsupported hidden_act {act!r} (only 'silu' SwiGLU is implemented)")
+    if model_type == "qwen2":
+      layer_types = hf.get("layer_types") or ()
+      if hf.get("use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
+        raise ValueError("unsupported Qwen2 config: use_sliding_window / sliding_attention layers")
+
+    rope = hf.get("rope_parameters") or {}
+    legacy = hf.get("rope_scaling") or {}
+    rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10_000.0))
+    params = rope if rope.get("rope_type", rope.get("type")) not in (None, "default") else legacy
+    rope_type = params.get("rope_type", params.get("type")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+      raise ValueError(
+          f"unsupported rope_type {rope_type!r} in config.json; supported: {SUPPORTED_ROPE_TYPES}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+      raise ValueError("unsupported partial_rotary_factor != 1.0")
+    scaling = None
+    if rope_type != "default":
+      scaling = RopeScaling(
+          rope_type=rope_type,
+          factor=float(params["factor"]),
+          low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+          high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+          original_max_position_embeddings=int(
+              params.get("original_max_position_embeddings",
+                         hf.get("max_position_embeddings", 8192))),
+      )
+
+    heads = int(hf["num_attention_heads"])
+    if model_type == "qwen2":
+      qkv_bias, o_bias, mlp_bias = True, False, False
+    else:
+      qkv_bias = o_bias = bool(hf.get("attention_bias", False))
+      mlp_bias = bool(hf.get("mlp_bias", False))
+    return cls(
+        model_type=model_type,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=hf.get("head_dim") or None,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        rope_scaling=scaling,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=mlp_bias,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        dtype=dtype,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"),
+        pad_token_id=hf.get("pad_token_id"),
+    )
+
+  def to_hf_config(self, *, torch_dtype: str | None = None) -> dict[str, Any]:
+    """The ``config.json`` dict for ``transformers`` (and vLLM) to rebuild this architecture.
+
+    Both the transformers-5 ``rope_parameters`` key and the 4.x ``rope_theta``/``rope_scaling``
+    keys are written, so old and new readers agree.
+    """
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.model_type]
+    rope_parameters: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
+    rope_scaling = None
+    if self.rope_scaling is not None:
+      rs = self.rope_scaling
+      rope_scaling = {"rope_type": rs.rope_type, "factor": rs.factor}
+      if rs.rope_type == "llama3":
+        rope_scaling.update(
+            low_freq_factor=rs.low_freq_factor,
+            high_freq_factor=rs.high_freq_factor,
+            original_max_position_embeddings=rs.original_max_position_embeddings)
+      rope_parameters.update(rope_scaling)
+    eos: int | list[int] | None = list(self.eos_token_id) or None
+    if eos is not None and len(eos) == 1:
+      eos = eos[0]
+    cfg: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": self.model_type,
+        "vocab_size": self.vocab_size,
+        "hidden_size": self.hidden_size,
+        "intermediate_size": self.intermediate_size,
+        "num_hidden_layers": self.num_layers,
+        "num_attention_heads": self.num_heads,
+        "num_key_value_heads": self.num_kv_heads,
+        "head_dim": self.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": self.rms_norm_eps,
+        "max_position_embeddings": self.max_position_embeddings,
+        "rope_theta": self.rope_theta,
+        "rope_scaling": rope_scaling,
+        "rope_parameters": rope_parameters,
+        "tie_word_embeddings": self.tie_word_embeddings,
+        "bos_token_id": self.bos_token_id,
+        "eos_token_id": eos,
+        "pad_token_id": self.pad_token_id,
+        "use_cache": True,
+        "torch_dtype": torch_dtype or self.dtype,
+        "dtype": torch_dtype or self.dtype,
+    }
+    if self.model_type == "llama":
+      if self.qkv_bias != self.o_bias:
+        raise ValueError("Llama export needs qkv_bias == o_bias (HF has one attention_bias flag)")
+      cfg.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
+    else:
+      if not self.qkv_bias or self.o_bias or self.mlp_bias:
+        raise ValueError("Qwen2 export needs qkv_bias=True, o_bias=False, mlp_bias=False")
+      cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_layers)
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# KV cache
+# --------------------------------------------------------------------------------------------
+
+
+class LayerCache(NamedTuple):
+  """One layer's keys and values, ``[B, K, S, D]`` in the compute dtype, slot-major per head."""
+
+  k: jax.Array
+  v: jax.Array
+
+
+KVCache = tuple[LayerCache, ...]
+CACHE_AXES: axes.LogicalAxes = (axes.BATCH, axes.KV_HEADS, axes.LENGTH, axes.HEAD_DIM)
+
+
+def init_cache(config: LMConfig, batch_size: int, num_slots: int) -> KVCache:
+  """Zero KV cache with ``num_slots`` positions per sequence, one :class:`LayerCache` per layer."""
+  shape = (batch_size, config.num_kv_heads, num_slots, config.head_dim)
+  return tuple(
+      LayerCache(jnp.zeros(shape, config.jnp_dtype), jnp.zeros(shape, config.jnp_dtype))
+      for _ in range(config.num_layers))
+
+
+# --------------------------------------------------------------------------------------------
+# Small pure functions
+# --------------------------------------------------------------------------------------------
+
+
+def positions_from_mask(mask: jax.Array) -> jax.Array:
+  """Position ids ``cumsum(mask) - 1`` (clipped at 0 on leading padding), ``[B, T]`` int32.
+
+  With left padding ``[0, 0, 1, 1, 1]`` this is ``[0, 0, 0, 1, 2]``: the first real token is at
+  position 0, whatever the amount of padding.
+  """
+  return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def last_token_index(mask: jax.Array) -> jax.Array:
+  """Index of the last non-padding token in each row of ``mask [B, T]``, ``[B]`` int32.
+
+  Works for left and right padding: ``[1, 1, 1, 0, 0] -> 2``, ``[0, 1, 1, 1, 0] -> 3``.
+  A row without any real token gives ``T - 1``.
+  """
+  t = mask.shape[-1]
+  return (t - 1 - jnp.argmax(mask[..., ::-1].astype(jnp.int32), axis=-1)).astype(jnp.int32)
+
+
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+  """``cos, sin [B, T, D/2]`` (f32) of angles ``positions * inv_freq``."""
+  angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """Rotates ``x [B, T, N, D]`` in the half-split convention of Hugging Face's ``rotate_half``.
+
+  ``[x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]`` with ``x1, x2`` the two halves of ``D``.
+  Computed in f32, returned in ``x.dtype``.
+  """
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  c, s = cos[:, :, None, :], sin[:, :, None, :]
+  return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def attention_mask_for(
+    key_mask: jax.Array, num_queries: int, query_offset: jax.Array | int = 0) -> jax.Array:
+  """Boolean ``[B, T, S]`` mask: key ``s`` is visible to query ``t`` iff it is valid and causal.
+
+  Query ``t`` sits at slot ``query_offset + t``; keys at slots ``s <= query_offset + t`` with
+  ``key_mask[b, s]`` set are visible. Without a cache, ``query_offset = 0`` and ``S = T``.
+  """
+  s = key_mask.shape[-1]
+  q_slot = query_offset + jnp.arange(num_queries, dtype=jnp.int32)[:, None]
+  causal = jnp.arange(s, dtype=jnp.int32)[None, :] <= q_slot
+  return causal[None] & key_mask.astype(bool)[:, None, :]
+
+
+def _dot(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
+  """``einsum`` accumulated in f32 and returned in ``x.dtype``.
+
+  For bf16 operands this is both more accurate and, on CPU, about twice as fast as a dot with a
+  bf16 result (XLA then uses the native bf16 dot-product instructions).
+  """
+  return jnp.einsum(equation, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _param(rngs: nnx.Rngs, shape, dtype, names: axes.LogicalAxes, *, init: str = "normal",
+           stddev: float = 0.02) -> nnx.Param:
+  if init == "zeros":
+    value = jnp.zeros(shape, dtype)
+  elif init == "ones":
+    value = jnp.ones(shape, dtype)
+  else:
+    value = (stddev * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+  # eager_sharding=False: keep the names as metadata only; the sharding layer places the arrays.
+  return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Modules
+# --------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nnx.Module):
+  """``y = scale * x / sqrt(mean(x^2) + eps)``, statistics in f32 (Zhang & Sennrich 2019)."""
+
+  def __init__(self, dim: int, *, eps: float, dtype, rngs: nnx.Rngs):
+    self.eps = eps
+    self.scale = _param(rngs, (dim,), dtype, (axes.EMBED,), init="ones")
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return self.scale[...] * y.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention with RoPE and an optional slot-major KV cache.
+
+  Parameters: ``q_kernel [E, H, D]``, ``kv_kernel [E, 2, K, D]`` (keys and values in one matmul:
+  fewer, larger dots are faster on CPU), ``o_kernel [H, D, E]``, optional ``q_bias [H, D]``,
+  ``kv_bias [2, K, D]``, ``o_bias [E]``. Query head ``h`` reads KV head ``h // G``.
+  """
+
+  def __init__(self, config: LMConfig, *, rngs: nnx.Rngs):
+    c = config
+    e, h, k, d, dt = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.jnp_dtype
+    self.num_kv_heads, self.num_groups, self.head_dim = k, c.num_groups, d
+    self.q_kernel = _param(rngs, (e, h, d), dt, (axes.EMBED, axes.HEADS, axes.HEAD_DIM))
+    self.kv_kernel = _param(rngs, (e, 2, k, d), dt,
+                            (axes.EMBED, None, axes.KV_HEADS, axes.HEAD_DIM))
+    self.o_kernel = _param(rngs, (h, d, e), dt, (axes.HEADS, axes.HEAD_DIM, axes.EMBED))
+    if c.qkv_bias:
+      self.q_bias = _param(rngs, (h, d), dt, (axes.HEADS, axes.HEAD_DIM), init="zeros")
+      self.kv_bias = _param(rngs, (2, k, d), dt, (None, axes.KV_HEADS, axes.HEAD_DIM), init="zeros")
+    else:
+      self.q_bias = self.kv_bias = None
+    self.o_bias = _param(rngs, (e,), dt, (axes.EMBED,), init="zeros") if c.o_bias else None
+
+  def __call__(
+      self,
+      x: jax.Array,
+      cos: jax.Array,
+      sin: jax.Array,
+      mask: jax.Array,
+      cache: LayerCache | None = None,
+      cache_index: jax.Array | int = 0,
+      kv_limit: int | None = None,
+  ) -> tuple[jax.Array, LayerCache | None]:
+    """``x [B, T, E]`` -> ``([B, T, E], cache)``.
+
+    ``mask [B, T, S]`` is boolean visibility (see :func:`attention_mask_for`). With a cache the
+    new keys/values are written at slots ``cache_index .. cache_index + T - 1`` (the same for every
+    row: prompts are left-padded) and attention runs over all ``S`` cache slots, or over the
+    first ``kv_limit`` slots when that static bound is given (prefill: later slots are empty).
+    """
+    b, t, _ = x.shape
+    q = _dot("BTE,EHD->BTHD", x, self.q_kernel[...])
+    kv = _dot("BTE,ECKD->BTCKD", x, self.kv_kernel[...])
+    if self.q_bias is not None:
+      q = q + self.q_bias[...]
+      kv = kv + self.kv_bias[...]
+    q = axes.constrain(apply_rope(q, cos, sin),
+                       (axes.BATCH, axes.LENGTH, axes.HEADS, axes.HEAD_DIM))
+    k = jnp.swapaxes(apply_rope(kv[:, :, 0], cos, sin), 1, 2)        # [B, K, T, D]
+    v = jnp.swapaxes(kv[:, :, 1], 1, 2)
+    if cache is not None:
+      idx = (0, 0, cache_index, 0)
+      k = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), idx)
+      v = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), idx)
+      cache = LayerCache(k, v)
+      if kv_limit is not None and kv_limit < k.shape[2]:
+        k, v = k[:, :, :kv_limit], v[:, :, :kv_limit]
+    k = axes.constrain(k, CACHE_AXES)
+    v = axes.constrain(v, CACHE_AXES)
+
+    # Dot operands and results are kept in the order XLA's batched matmul produces
+    # ([batch dims, lhs free, rhs free]), with the slot axis S minor, so no large transposes
+    # are inserted on CPU (with T = 1 the two swaps below are free reshapes).
+    q = q * jnp.asarray(self.head_dim ** -0.5, q.dtype)
+    qg = q.reshape(b, t, self.num_kv_heads, self.num_groups, self.head_dim)
+    qg = jnp.swapaxes(qg, 1, 2)                                      # [B, K, T, G, D]
+    scores = jnp.einsum("BKTGD,BKSD->BKTGS", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[:, None, :, None, :], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = _dot("BKTGS,BKSD->BKTGD", probs, v)
+    out = jnp.swapaxes(out, 1, 2).reshape(b, t, -1)                 # [B, T, H*D]
+    o_kernel = self.o_kernel[...]
+    y = _dot("BTF,FE->BTE", out, o_kernel.reshape(-1, o_kernel.shape[-1]))
+    if self.o_bias is not None:
+      y = y + self.o_bias[...]
+    return y, cache
+
+
+class MLP(nnx.Module):
+  """SwiGLU: ``down(silu(x @ gate) * (x @ up))`` (Shazeer 2020).
+
+  Parameters: ``gate_up_kernel [E, 2, M]`` (gate and up in one matmul), ``down_kernel [M, E]``,
+  optional ``gate_up_bias [2, M]`` and ``down_bias [E]``.
+  """
+
+  def __init__(self, config: LMConfig, *, rngs: nnx.Rngs):
+    e, m, dt = config.hidden_size, config.intermediate_size, config.jnp_dtype
+    self.gate_up_kernel = _param(rngs, (e, 2, m), dt, (axes.EMBED, None, axes.MLP))
+    self.down_kernel = _param(rngs, (m, e), dt, (axes.MLP, axes.EMBED))
+    if config.mlp_bias:
+      self.gate_up_bias = _param(rngs, (2, m), dt, (None, axes.MLP), init="zeros")
+      self.down_bias = _param(rngs, (e,), dt, (axes.EMBED,), init="zeros")
+    else:
+      self.gate_up_bias = self.down_bias = None
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    gate_up = _dot("BTE,ECM->BTCM", x, self.gate_up_kernel[...])
+    if self.gate_up_bias is not None:
+      gate_up = gate_up + self.gate_up_bias[...]
+    h = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+    h = axes.constrain(h, (axes.BATCH, axes.LENGTH, axes.MLP))
+    y = _dot("BTM,ME->BTE", h, self.down_kernel[...])
+    if self.down_bias is not None:
+      y = y + self.down_bias[...]
+    return y
+
+
+class DecoderLayer(nnx.Module):
+  """Pre-norm block: ``x += attn(norm(x)); x += mlp(norm(x))``."""
+
+  def __init__(self, config: LMConfig, *, rngs: nnx.Rngs):
+    dt = config.jnp_dtype
+    self.input_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dt, rngs=rngs)
+    self.attn = Attention(config, rngs=rngs)
+    self.post_attn_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dt, rngs=rngs)
+    self.mlp = MLP(config, rngs=rngs)
+
+  def __call__(self, x, cos, sin, mask, cache=None, cache_index=0, kv_limit=None):
+    y, cache = self.attn(self.input_norm(x), cos, sin, mask, cache, cache_index, kv_limit)
+    x = x + y
+    x = x + self.mlp(self.post_attn_norm(x))
+    return axes.constrain(x, (axes.BATCH, axes.LENGTH, axes.EMBED)), cache
+
+
+class ScalarHead(nnx.Module):
+  """``h [..., E] -> [...]`` f32: ``h @ w + b``. Used for the value and the reward heads.
+
+  Initialised as in Ziegler et al. 2019 (arXiv:1909.08593): ``w ~ N(0, 1 / (E + 1))``, ``b = 0``.
+  """
+
+  def __init__(self, dim: int, *, rngs: nnx.Rngs):
+    self.kernel = _param(rngs, (dim,), jnp.float32, (axes.EMBED,), stddev=1.0 / math.sqrt(dim + 1))
+    self.bias = _param(rngs, (), jnp.float32, (), init="zeros")
+
+  def __call__(self, h: jax.Array) -> jax.Array:
+    return jnp.einsum("...E,E->...", h.astype(jnp.float32), self.kernel[...]) + self.bias[...]
+
+
+class DecoderLM(nnx.Module):
+  """Llama/Qwen2 decoder with an LM head, a per-token value head and a per-sequence reward head.
+
+  Example::
+
+    model = DecoderLM(LMConfig(vocab_size=..., ...), rngs=nnx.Rngs(0))
+    logits = model(tokens, attention_mask=mask)              # [B, T, V] f32
+    hidden, _ = model.hidden_states(tokens, attention_mask=mask)
+    values = model.values(hidden)                            # [B, T] f32
+    scores = model.rewards(hidden, mask)                     # [B] f32
+
+  In hot paths split it (``graphdef, state = nnx.split(model)``) and call ``nnx.merge`` inside a
+  plain ``jax.jit`` (see :mod:`rljax.sampling`).
+  """
+
+  def __init__(self, config: LMConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    c = config
+    self.embed = _param(rngs, (c.vocab_size, c.hidden_size), c.jnp_dtype, (axes.VOCAB, axes.EMBED))
+    self.layers = nnx.List([DecoderLayer(c, rngs=rngs) for _ in range(c.num_layers)])
+    self.final_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=c.jnp_dtype, rngs=rngs)
+    if c.tie_word_embeddings:
+      self.lm_head = None
+    else:
+      self.lm_head = _param(rngs, (c.hidden_size, c.vocab_size), c.jnp_dtype,
+                            (axes.EMBED, axes.VOCAB))
+    self.value_head = ScalarHead(c.hidden_size, rngs=rngs)
+    self.reward_head = ScalarHead(c.hidden_size, rngs=rngs)
+
+  def hidden_states(
+      self,
+      tokens: jax.Array,
+      *,
+      attention_mask: jax.Array | None = None,
+      positions: jax.Array | None = None,
+      cache: KVCache | None = None,
+      cache_index: jax.Array | int = 0,
+  ) -> tuple[jax.Array, KVCache | None]:
+    """Final-normalised hidden states ``[B, T, E]`` (compute dtype) and the updated cache.
+
+    Args:
+      tokens: ``[B, T]`` int token ids.
+      attention_mask: key validity. Without a cache ``[B, T]`` (1 = real token, 0 = padding;
+        default all ones). With a cache ``[B, S]`` over the cache slots (default all ones).
+      positions: ``[B, T]`` RoPE positions; default ``cumsum(mask) - 1`` without a cache. With a
+        cache they must be given.
+      cache: a :data:`KVCache` from :func:`init_cache`; keys/values of ``tokens`` are written at
+        slots ``cache_index ..`` and queries attend causally over all slots.
+      cache_index: scalar slot of ``tokens[:, 0]`` in the cache.
+
+    Raises:
+      ValueError: if ``positions`` is missing in cache mode, or the cache has the wrong depth.
+    """
+    b, t = tokens.shape
+    kv_limit = None
+    if cache is None:
+      key_mask = jnp.ones((b, t), bool) if attention_mask is None else attention_mask
+      if positions is None:
+        positions = positions_from_mask(key_mask)
+      mask = attention_mask_for(key_mask, t)
+    else:
+      if positions is None:
+        raise ValueError("hidden_states: positions are required when decoding with a cache")
+      if len(cache) != len(self.layers):
+        raise ValueError(f"cache has {len(cache)} layers, model has {len(self.layers)}")
+      s = cache[0].k.shape[2]
+      key_mask = jnp.ones((b, s), bool) if attention_mask is None else attention_mask
+      if isinstance(cache_index, int):
+        # Static offset (prefill): slots after the last query are invisible, skip them.
+        kv_limit = min(s, cache_index + t)
+        key_mask = key_mask[:, :kv_limit]
+      mask = attention_mask_for(key_mask, t, cache_index)
+    cos, sin = rope_tables(positions, self.config.inv_freq())
+    x = jnp.take(self.embed[...], tokens, axis=0)
+    x = axes.constrain(x, (axes.BATCH, axes.LENGTH, axes.EMBED))
+    new_cache = []
+    for i, layer in enumerate(self.layers):
+      x, layer_cache = layer(x, cos, sin, mask, None if cache is None else cache[i], cache_index,
+                             kv_limit)
+      new_cache.append(layer_cache)
+    x = self.final_norm(x)
+    return x, (None if cache is None else tuple(new_cache))
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """LM head: ``[..., E] -> [..., V]`` f32 (f32 accumulation also for bf16 weights)."""
+    if self.lm_head is None:
+      out = jnp.einsum("...E,VE->...V", hidden, self.embed[...],
+                       preferred_element_type=jnp.float32)
+    else:
+      out = jnp.einsum("...E,EV->...V", hidden, self.lm_head[...],
+                       preferred_element_type=jnp.float32)
+    return out.astype(jnp.float32)
+
+  def values(self, hidden: jax.Array) -> jax.Array:
+    """Value (critic) head: one f32 scalar per token, ``[B, T, E] -> [B, T]``."""
+    return self.value_head(hidden)
+
+  def rewards(self, hidden: jax.Array, attention_mask: jax.Array) -> jax.Array:
+    """Reward head: ``[B]`` f32 scores read at :func:`last_token_index` of ``attention_mask``."""
+    idx = last_token_index(attention_mask)
+    last = jnp.take_along_axis(hidden, idx[:, None, None], axis=1)[:, 0]
+    return self.reward_head(last)
+
+  def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None,
+               positions: jax.Array | None = None) -> jax.Array:
+    """Full forward without a cache: logits ``[B, T, V]`` f32."""
+    hidden, _ = self.hidden_states(tokens, attention_mask=attention_mask, positions=positions)
+    return self.logits(hidden)
+
+
+def token_log_probs(logits: jax.Array, tokens: jax.Array, *, temperature: float = 1.0) -> jax.Array:
+  """``log softmax(logits / temperature)[tokens]``, f32, without materialising the log-softmax.
+
+  Args:
+    logits: ``[..., V]``.
+    tokens: ``[...]`` int ids.
+  """
+  logits = logits.astype(jnp.float32)
+  if temperature != 1.0:
+    logits = logits / temperature
+  picked = jnp.take_along_axis(logits, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  return picked - jax.nn.logsumexp(logits, axis=-1)
+
+
+def sequence_log_probs(model: DecoderLM, tokens: jax.Array, attention_mask: jax.Array,
+                       *, temperature: float = 1.0) -> jax.Array:
+  """Log-probs of each token given its prefix: ``[B, T]`` f32, entry ``t`` scores ``tokens[:, t]``.
+
+  Entries without a real previous token (position 0, the first real token after left padding)
+  and padding entries are 0. This is what a trainer uses to re-score sampled responses (policy,
+  reference).
+  """
+  logits = model(tokens, attention_mask)
+  lp = token_log_probs(logits[:, :-1], tokens[:, 1:], temperature=temperature)
+  mask = attention_mask.astype(bool)
+  return jnp.pad(jnp.where(mask[:, 1:] & mask[:, :-1], lp, 0.0), ((0, 0), (1, 0)))

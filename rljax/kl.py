@@ -1,0 +1,185 @@
+r"""KL estimators (k1, k2, k3) and the fixed/adaptive KL-coefficient controllers.
+
+RLHF keeps the policy ``pi`` near a frozen reference ``pi_ref`` with a penalty on
+``KL(pi || pi_ref) = E_{x~pi}[log pi(x) - log pi_ref(x)]``. The expectation over the
+vocabulary (and over whole responses) is not computed; it is estimated per sampled token from
+the two log-probs of the token that was sampled from ``pi``. With the log-ratio
+``log_r = log pi_ref(x) - log pi(x)`` (J. Schulman, "Approximating KL divergence", 2020,
+http://joschu.net/blog/kl-approx.html)::
+
+    k1 = -log_r                   = log pi - log pi_ref
+    k2 = 0.5 * log_r ** 2
+    k3 = (exp(log_r) - 1) - log_r = pi_ref / pi - 1 - log(pi_ref / pi)
+
+Two uses, which differ in what must be unbiased:
+
+* **in the reward** (Ziegler et al. 2019; InstructGPT; OpenRLHF/verl default): the estimate
+  is a number, ``r_t -= kl_coef * k(x_t)``, with no gradient through it. What matters is that
+  its *value* is unbiased for ``KL(pi || pi_ref)``: true for k1 and k3, not for k2.
+* **in the loss** (GRPO, Shao et al. 2024, arXiv:2402.03300, uses k3): ``loss += kl_coef *
+  mean(k(x_t))`` and the gradient flows through ``log pi``; the samples ``x_t ~ pi`` carry no
+  gradient. What matters is that the *gradient* is unbiased for ``grad KL(pi || pi_ref)``:
+  true for k2 only. k1's expected gradient is ``E_pi[grad log pi] = 0``; k3's is
+  ``grad KL(pi_ref || pi)``, the reverse KL (Liu et al. 2025, "On the design of
+  KL-regularized policy gradient algorithms for LLM reasoning", arXiv:2505.17508; Tang &
+  Munos 2025, arXiv:2506.09477). ``tests/test_kl.py`` checks each statement exactly on a small
+  vocabulary.
+
+Layout: all estimators take ``[B, T]`` (or any equal shapes) f32 log-probs and return the same
+shape; reduce with a mask yourself (``rljax.ppo.masked_mean``).
+
+The KL controllers are ``(init, update)`` pairs with a :class:`KLControllerState` NamedTuple,
+like optax transformations: :func:`fixed_kl_controller` and :func:`adaptive_kl_controller`
+(Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences",
+arXiv:1909.08593, Sec. 2.2).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+class KLEstimator(enum.Enum):
+  """Which per-token estimator of ``KL(pi || pi_ref)`` to use; see the module docstring."""
+
+  K1 = "k1"
+  K2 = "k2"
+  K3 = "k3"
+
+
+def kl_k1(log_probs: Array, ref_log_probs: Array) -> Array:
+  """``k1 = log pi(x) - log pi_ref(x)`` per sampled token.
+
+  Value: unbiased for ``KL(pi || pi_ref)`` (``E_pi[k1] = KL``) but high variance and negative
+  on single tokens. As a loss term its expected gradient is ``E_pi[grad log pi] = 0``: biased
+  (it does not pull towards the reference at all in expectation).
+
+  Args:
+    log_probs: ``[B, T]`` f32 log-probs of the sampled tokens under the policy ``pi``.
+    ref_log_probs: same shape, under the reference ``pi_ref``.
+
+  Returns:
+    ``[B, T]`` f32.
+  """
+  return log_probs - ref_log_probs
+
+
+def kl_k2(log_probs: Array, ref_log_probs: Array) -> Array:
+  """``k2 = 0.5 * (log pi(x) - log pi_ref(x))^2`` per sampled token (always >= 0).
+
+  Value: biased for ``KL(pi || pi_ref)`` (it estimates an f-divergence that agrees with KL only
+  to second order as ``pi -> pi_ref``). As a loss term with ``x ~ pi`` its expected gradient is
+  ``E_pi[(log pi - log pi_ref) grad log pi] = grad KL(pi || pi_ref)``: unbiased. It is the
+  right choice for KL *in the loss*.
+
+  Args / Returns: as :func:`kl_k1`.
+  """
+  d = log_probs - ref_log_probs
+  return 0.5 * d * d
+
+
+def kl_k3(log_probs: Array, ref_log_probs: Array) -> Array:
+  """``k3 = (r - 1) - log r`` with ``r = pi_ref(x) / pi(x)`` per sampled token (always >= 0).
+
+  Value: unbiased for ``KL(pi || pi_ref)`` (``E_pi[r] = 1``) with low variance: the right
+  choice for KL *in the reward*. As a loss term (GRPO's choice) its expected gradient is
+  ``grad KL(pi_ref || pi)``, the *reverse* KL: biased for ``KL(pi || pi_ref)``. The log-ratio
+  is clipped to ``[-20, 20]`` before ``exp`` so a token the reference finds impossible cannot
+  overflow.
+
+  Args / Returns: as :func:`kl_k1`.
+  """
+  log_r = jnp.clip(ref_log_probs - log_probs, -20.0, 20.0)
+  return jnp.expm1(log_r) - log_r
+
+
+def kl_estimate(log_probs: Array, ref_log_probs: Array, estimator: KLEstimator | str) -> Array:
+  """Dispatches to :func:`kl_k1`, :func:`kl_k2` or :func:`kl_k3`.
+
+  Raises:
+    ValueError: for an unknown estimator name.
+  """
+  estimator = KLEstimator(estimator)
+  fn = {KLEstimator.K1: kl_k1, KLEstimator.K2: kl_k2, KLEstimator.K3: kl_k3}[estimator]
+  return fn(log_probs, ref_log_probs)
+
+
+class KLControllerState(NamedTuple):
+  """State of a KL controller: the current coefficient ``beta`` (f32 scalar)."""
+
+  kl_coef: Array
+
+
+class KLController(NamedTuple):
+  """An ``(init, update)`` pair.
+
+  ``init() -> KLControllerState``;
+  ``update(state, current_kl, num_steps) -> KLControllerState`` where ``current_kl`` is the
+  measured mean per-sequence KL of the last batch (nats) and ``num_steps`` the number of
+  samples (sequences) it came from.
+  """
+
+  init: Callable[[], KLControllerState]
+  update: Callable[[KLControllerState, Array | float, Array | int], KLControllerState]
+
+
+def fixed_kl_controller(kl_coef: float) -> KLController:
+  """A constant coefficient ``beta = kl_coef``.
+
+  Raises:
+    ValueError: if ``kl_coef < 0``.
+  """
+  if kl_coef < 0:
+    raise ValueError(f"kl_coef must be >= 0, got {kl_coef}.")
+
+  def init():
+    return KLControllerState(jnp.asarray(kl_coef, jnp.float32))
+
+  def update(state, current_kl, num_steps):
+    del current_kl, num_steps
+    return state
+
+  return KLController(init, update)
+
+
+def adaptive_kl_controller(init_kl_coef: float, *, target: float, horizon: int) -> KLController:
+  r"""Ziegler et al. 2019 (arXiv:1909.08593, eq. 2): a proportional controller on ``log beta``.
+
+  ::
+
+      e        = clip(KL_t / target - 1, -0.2, 0.2)
+      beta_t+1 = beta_t * (1 + e * n / horizon)
+
+  with ``n`` the samples seen since the last update. ``beta`` rises while the measured KL is
+  above ``target`` and falls while it is below.
+
+  Args:
+    init_kl_coef: starting ``beta`` (>= 0).
+    target: target KL in nats per sequence (> 0).
+    horizon: samples over which the error is corrected (> 0); Ziegler et al. use 10,000.
+
+  Raises:
+    ValueError: naming the bad argument.
+  """
+  if init_kl_coef < 0:
+    raise ValueError(f"init_kl_coef must be >= 0, got {init_kl_coef}.")
+  if not target > 0:
+    raise ValueError(f"target must be > 0, got {target}.")
+  if not horizon > 0:
+    raise ValueError(f"horizon must be > 0, got {horizon}.")
+
+  def init():
+    return KLControllerState(jnp.asarray(init_kl_coef, jnp.float32))
+
+  def update(state, current_kl, num_steps):
+    error = jnp.clip(jnp.asarray(current_kl, jnp.float32) / target - 1.0, -0.2, 0.2)
+    mult = 1.0 + error * jnp.asarray(num_steps, jnp.float32) / horizon
+    return KLControllerState(state.kl_coef * mult)
+
+  return KLController(init, update)

@@ -1,0 +1,270 @@
+r"""Memory planner: bytes per device per RLHF role, and the smallest mesh that fits.
+
+    python -m rljax.sharding.plan --model=70b --mesh=1,16,1 --device_memory_gb=80
+    python -m rljax.sharding.plan --model=path/to/config.json --critic_model=7b --batch=64 --seq=4096
+
+For each role (:class:`rljax.sharding.placement.Role`) it counts, per device (bytes, GB = 1e9 B):
+
+* params: ``num_params * param_bytes / shards``, shards = ``fsdp * tensor`` (``fsdp_tp``),
+  ``fsdp`` (``fsdp``), ``tensor`` (``tp``) or 1 (``dp``);
+* grads (trainable roles ACTOR, CRITIC): as params, in the parameter dtype;
+* optimizer: Adam's ``mu`` and ``nu``: ``2 * num_params * opt_bytes / shards`` (trainable roles);
+* kv_cache (ACTOR, generating): ``2 * L * (B/dp) * S * K * D * param_bytes`` / tensor shards
+  (``K`` split over ``tensor`` when it divides);
+* activations (trainable roles), with full rematerialisation of each layer: the layer inputs
+  saved for the backward pass ``L * (B/dp) * S * E * param_bytes``, one layer's live backward
+  working set ``(B/dp) * S * (4E + 2M + 2H*S/tensor... )`` approximated as
+  ``(B/dp) * S * (6E + 3M/t) * param_bytes + (B/dp) * H/t * S^2 * 4`` (attention scores, f32),
+  plus the f32 logits and their gradient ``2 * (B/dp) * S * V/t * 4``. Frozen roles (REFERENCE,
+  REWARD) hold one forward layer's working set and their logits/scores.
+
+The static terms (params, grads, optimizer, KV cache) are checked against XLA's
+``compiled.memory_analysis()`` in ``tests/test_plan.py`` within 15%; the activation term is an
+estimate (XLA's fusion decides the real temporaries) and is checked for order of magnitude only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+
+from rljax.sharding.mesh import MeshConfig, MeshError
+from rljax.sharding.rules import Preset, as_preset
+
+GB = 1e9
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1, "int8": 1}
+
+# Size presets: Llama-2 (7b, 13b, 70b) and Llama-3 8b shapes. ``tiny`` is for tests.
+# (vocab, hidden, intermediate, layers, heads, kv_heads)
+SIZE_PRESETS: Mapping[str, tuple[int, int, int, int, int, int]] = {
+    "tiny": (256, 64, 128, 2, 4, 2),
+    "1b": (32000, 2048, 5632, 22, 32, 4),     # TinyLlama-1.1B
+    "7b": (32000, 4096, 11008, 32, 32, 32),
+    "8b": (128256, 4096, 14336, 32, 32, 8),
+    "13b": (32000, 5120, 13824, 40, 40, 40),
+    "70b": (32000, 8192, 28672, 80, 64, 8),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelShape:
+  """The numbers the planner needs from a decoder LM (``rljax.models.llm.LMConfig``)."""
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  num_params: int
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      if getattr(self, f.name) <= 0:
+        raise ValueError(f"{f.name} must be > 0, got {getattr(self, f.name)}")
+
+
+def model_shape(model: str) -> ModelShape:
+  """``ModelShape`` from a size preset name (:data:`SIZE_PRESETS`) or a Hugging Face
+  ``config.json`` path (Llama/Qwen2).
+
+  Raises:
+    ValueError: naming the string if it is neither a preset nor an existing file.
+  """
+  from rljax.models.llm import LMConfig
+
+  if model in SIZE_PRESETS:
+    v, e, m, l, h, k = SIZE_PRESETS[model]
+    cfg = LMConfig(vocab_size=v, hidden_size=e, intermediate_size=m, num_layers=l, num_heads=h,
+                   num_kv_heads=k)
+  elif os.path.isfile(model):
+    with open(model) as f:
+      cfg = LMConfig.from_hf_config(json.load(f))
+  else:
+    raise ValueError(f"model {model!r} is neither a size preset {sorted(SIZE_PRESETS)} "
+                     "nor a config.json file")
+  return ModelShape(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                    intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers,
+                    num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                    num_params=cfg.num_params())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+  """Everything a plan depends on.
+
+  Attributes:
+    param_dtype: dtype of parameters, gradients, activations and the KV cache.
+    opt_dtype: dtype of Adam's two moment estimates.
+    batch: global sequences per step (prompts x samples for generation).
+    seq: sequence length in tokens (prompt + response); also the KV-cache slots.
+    preset: sharding rules of every role (``fsdp`` shards params over ``fsdp``; ...).
+    trainable: roles with gradients and optimizer state (by name: ``'actor'``, ``'critic'``).
+    generating: roles that hold a KV cache (``'actor'``).
+  """
+
+  param_dtype: str = "bfloat16"
+  opt_dtype: str = "float32"
+  batch: int = 8
+  seq: int = 2048
+  preset: Preset = Preset.FSDP
+  trainable: tuple[str, ...] = ("actor", "critic")
+  generating: tuple[str, ...] = ("actor",)
+
+  def __post_init__(self):
+    for name in ("param_dtype", "opt_dtype"):
+      if getattr(self, name) not in _DTYPE_BYTES:
+        raise ValueError(f"{name} must be one of {sorted(_DTYPE_BYTES)}, got {getattr(self, name)!r}")
+    if self.batch <= 0 or self.seq <= 0:
+      raise ValueError(f"batch and seq must be > 0, got batch={self.batch} seq={self.seq}")
+    object.__setattr__(self, "preset", as_preset(self.preset))
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleBytes:
+  """Bytes per device of one role."""
+
+  params: float
+  grads: float
+  optimizer: float
+  kv_cache: float
+  activations: float
+
+  @property
+  def total(self) -> float:
+    return self.params + self.grads + self.optimizer + self.kv_cache + self.activations
+
+
+def _shards(preset: Preset, fsdp: int, tensor: int) -> int:
+  return {Preset.FSDP: fsdp, Preset.FSDP_TP: fsdp * tensor, Preset.DP: 1, Preset.TP: tensor}[preset]
+
+
+def role_bytes(role: str, shape: ModelShape, mesh: tuple[int, int, int], cfg: PlanConfig) -> RoleBytes:
+  """Per-device bytes of ``role`` (``'actor'``, ``'critic'``, ``'reference'``, ``'reward'``) for
+  a model of ``shape`` on a mesh ``(data, fsdp, tensor)``. Float bytes (fractional allowed)."""
+  data, fsdp, tensor = mesh
+  pb, ob = _DTYPE_BYTES[cfg.param_dtype], _DTYPE_BYTES[cfg.opt_dtype]
+  uses_tensor = cfg.preset in (Preset.FSDP_TP, Preset.TP)
+  t = tensor if uses_tensor else 1
+  shards = _shards(cfg.preset, fsdp, tensor)
+  n = shape.num_params
+  params = n * pb / shards
+  trainable = role in cfg.trainable
+  grads = params if trainable else 0.0
+  optimizer = 2 * n * ob / shards if trainable else 0.0
+  b = cfg.batch / (data * fsdp)  # sequences per device
+  s, e, m, l = cfg.seq, shape.hidden_size, shape.intermediate_size, shape.num_layers
+  kv = 0.0
+  if role in cfg.generating:
+    k = shape.num_kv_heads
+    kt = t if k % t == 0 else 1
+    kv = 2 * l * b * s * k * shape.head_dim * pb / kt
+  vocab_out = shape.vocab_size / t * 4 * b * s if role in ("actor", "reference") else 0.0
+  layer_ws = b * s * (6 * e + 3 * m / t) * pb + b * (shape.num_heads / t) * s * s * 4
+  if trainable:
+    act = l * b * s * e * pb + layer_ws + 2 * vocab_out
+  else:
+    act = layer_ws + vocab_out
+  return RoleBytes(params=params, grads=grads, optimizer=optimizer, kv_cache=kv, activations=act)
+
+
+def plan(models: Mapping[str, ModelShape], mesh: tuple[int, int, int], cfg: PlanConfig
+         ) -> dict[str, RoleBytes]:
+  """Per-device bytes of every role in ``models`` (role name -> shape), all on one mesh."""
+  return {role: role_bytes(role, shape, mesh, cfg) for role, shape in models.items()}
+
+
+def smallest_mesh(models: Mapping[str, ModelShape], cfg: PlanConfig, *, device_memory_gb: float,
+                  tensor: int = 1, headroom: float = 0.9, max_devices: int = 65536
+                  ) -> tuple[tuple[int, int, int], float] | None:
+  """The smallest power-of-two device count ``N`` whose mesh ``(1, N/tensor, tensor)`` holds all
+  roles colocated within ``headroom * device_memory_gb``. Returns ``((data, fsdp, tensor), bytes
+  per device)`` or ``None`` if even ``max_devices`` do not fit (e.g. ``dp`` never shards params).
+  """
+  n = tensor
+  while n <= max_devices:
+    mesh = (1, n // tensor, tensor)
+    total = sum(r.total for r in plan(models, mesh, cfg).values())
+    if total <= headroom * device_memory_gb * GB:
+      return mesh, total
+    n *= 2
+  return None
+
+
+def format_table(rows: Mapping[str, RoleBytes], mesh: tuple[int, int, int]) -> str:
+  """A plain-text table, GB (1e9 bytes) per device."""
+  head = (f"mesh data={mesh[0]} fsdp={mesh[1]} tensor={mesh[2]} ({math.prod(mesh)} devices), "
+          "GB per device\n")
+  cols = ("params", "grads", "optimizer", "kv_cache", "activations", "total")
+  lines = [f"{'role':<10}" + "".join(f"{c:>12}" for c in cols)]
+  tot = [0.0] * len(cols)
+  for role, r in rows.items():
+    vals = [r.params, r.grads, r.optimizer, r.kv_cache, r.activations, r.total]
+    tot = [a + b for a, b in zip(tot, vals)]
+    lines.append(f"{role:<10}" + "".join(f"{v / GB:>12.2f}" for v in vals))
+  lines.append(f"{'all':<10}" + "".join(f"{v / GB:>12.2f}" for v in tot))
+  return head + "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Command line (argparse, so it runs without absl flags state): prints the table and the
+  smallest mesh. Exit status 0, or 2 on bad input (one-line message)."""
+  import argparse
+  import sys
+
+  ap = argparse.ArgumentParser(prog="python -m rljax.sharding.plan", description=__doc__.split("\n")[0])
+  ap.add_argument("--model", default="7b", help="actor size preset or HF config.json")
+  for role in ("critic", "reference", "reward"):
+    ap.add_argument(f"--{role}_model", default=None,
+                    help=f"{role} model (default: same as --model; 'none' drops the role)")
+  ap.add_argument("--mesh", default=None, help="D,F,T; default: the smallest mesh that fits")
+  ap.add_argument("--sharding_rules", default="fsdp", help="fsdp | fsdp_tp | dp | tp")
+  ap.add_argument("--param_dtype", default="bfloat16")
+  ap.add_argument("--opt_dtype", default="float32")
+  ap.add_argument("--batch", type=int, default=8)
+  ap.add_argument("--seq", type=int, default=2048)
+  ap.add_argument("--device_memory_gb", type=float, default=80.0)
+  args = ap.parse_args(argv)
+  try:
+    actor = model_shape(args.model)
+    models = {"actor": actor}
+    for role in ("critic", "reference", "reward"):
+      name = getattr(args, f"{role}_model")
+      if name != "none":
+        models[role] = model_shape(name) if name else actor
+    cfg = PlanConfig(param_dtype=args.param_dtype, opt_dtype=args.opt_dtype, batch=args.batch,
+                     seq=args.seq, preset=args.sharding_rules)
+    tensor = 1
+    if args.mesh:
+      from rljax.sharding.mesh import parse_mesh_flag
+      mc = parse_mesh_flag(args.mesh)
+      if mc.data == -1:
+        raise MeshError("--mesh for the planner needs an explicit data size")
+      mesh = (mc.data, mc.fsdp, mc.tensor)
+      tensor = mc.tensor
+      print(format_table(plan(models, mesh, cfg), mesh))
+    weights = sum(m.num_params for m in models.values()) * _DTYPE_BYTES[cfg.param_dtype]
+    print(f"\nweights alone: {weights / GB:.0f} GB = {weights / (args.device_memory_gb * GB):.1f} "
+          f"devices of {args.device_memory_gb:g} GB")
+    best = smallest_mesh(models, cfg, device_memory_gb=args.device_memory_gb, tensor=tensor)
+    if best is None:
+      print(f"no mesh up to 65536 devices fits {args.device_memory_gb:g} GB per device "
+            f"with rules {cfg.preset.value}")
+    else:
+      mesh, total = best
+      print(f"smallest mesh that fits {args.device_memory_gb:g} GB devices (90% usable): "
+            f"--mesh={mesh[0]},{mesh[1]},{mesh[2]} ({math.prod(mesh)} devices, "
+            f"{total / GB:.1f} GB per device)")
+      print(format_table(plan(models, mesh, cfg), mesh))
+  except (ValueError, OSError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

@@ -1,0 +1,96 @@
+"""rljax.sharding.distributed: 2 local processes on 127.0.0.1, and the lost-process fault."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rljax.sharding import distributed
+
+WORKER = os.path.join(os.path.dirname(__file__), "_dist_worker.py")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _env():
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  for k in list(env):
+    if k.startswith("SLURM_"):
+      env.pop(k)
+  return env
+
+
+def _result(out: str) -> list[str]:
+  line = [l for l in out.splitlines() if l.startswith("RESULT ")]
+  assert line, out[-3000:]
+  return line[-1].split()
+
+
+def test_config_validation_names_values():
+  with pytest.raises(ValueError, match="give all of .* num_processes=2, process_id=None"):
+    distributed.DistributedConfig(coordinator_address="127.0.0.1:1234", num_processes=2)
+  with pytest.raises(ValueError, match=r"process_id must be in \[0, 2\), got 2"):
+    distributed.DistributedConfig(coordinator_address="h:1", num_processes=2, process_id=2)
+  with pytest.raises(ValueError, match="heartbeat_timeout_s must be >= 1, got 0"):
+    distributed.DistributedConfig(heartbeat_timeout_s=0)
+  assert distributed.initialize(distributed.DistributedConfig(
+      coordinator_address="h:1", num_processes=1, process_id=0)) is False
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process():
+  one = subprocess.run([sys.executable, WORKER], capture_output=True, text=True, timeout=120, env=_env())
+  assert one.returncode == 0, one.stderr[-3000:]
+  port = _free_port()
+  procs = [subprocess.Popen(
+      [sys.executable, WORKER, f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+       f"--process_id={i}", "--heartbeat_timeout_s=10"],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()) for i in range(2)]
+  outs = [p.communicate(timeout=180) for p in procs]
+  for p, (out, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  r1 = _result(one.stdout)
+  for i, (out, _) in enumerate(outs):
+    r = _result(out)
+    assert (r[1], r[2], r[3]) == (str(i), "2", "2")      # process i of 2, 2 global devices
+    # same global batch, same loss and params as the 1-process run (3 SGD steps)
+    assert abs(float(r[4]) - float(r1[4])) < 1e-5 and abs(float(r[5]) - float(r1[5])) < 1e-5
+
+
+@pytest.mark.slow
+def test_killed_process_makes_the_other_exit_within_20s():
+  port = _free_port()
+  args = [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", "--heartbeat_timeout_s=5",
+          "--hang_after_init"]
+  p0 = subprocess.Popen([sys.executable, WORKER, *args, "--process_id=0"], stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True, env=_env())
+  p1 = subprocess.Popen([sys.executable, WORKER, *args, "--process_id=1"], stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True, env=_env())
+  try:
+    deadline = time.time() + 120
+    for line in p1.stdout:  # wait until both run cross-process steps
+      if line.startswith("RESULT") or time.time() > deadline:
+        break
+    assert time.time() < deadline, "workers did not start"
+    time.sleep(1.0)
+    p1.kill()
+    t0 = time.time()
+    out, _ = p0.communicate(timeout=30)
+    elapsed = time.time() - t0
+  finally:
+    for p in (p0, p1):
+      if p.poll() is None:
+        p.kill()
+  assert p0.returncode != 0
+  assert elapsed < 20, elapsed
+  # JAX's coordination service names the lost task ("Task 1 heartbeat timeout"), or Gloo's
+  # collective fails first and the shutdown barrier then reports task 1.
+  assert "Task 1" in out or "task:1" in out or "task 1" in out, out[-3000:]

@@ -1,0 +1,103 @@
+"""The memory planner (rljax.sharding.plan) against XLA's compiled.memory_analysis()."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+from rljax.models.llm import DecoderLM, LMConfig, init_cache
+from rljax.sharding import plan as plan_lib
+
+
+def _tiny(dtype="float32"):
+  v, e, m, l, h, k = plan_lib.SIZE_PRESETS["tiny"]
+  return LMConfig(vocab_size=v, hidden_size=e, intermediate_size=m, num_layers=l, num_heads=h,
+                  num_kv_heads=k, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_static_terms_match_xla_memory_analysis(dtype):
+  config = _tiny(dtype)
+  shape = plan_lib.model_shape("tiny")
+  cfg = plan_lib.PlanConfig(param_dtype=dtype, opt_dtype="float32", batch=4, seq=32, preset="dp")
+  est = plan_lib.role_bytes("actor", shape, (1, 1, 1), cfg)
+  graphdef, params, rest = nnx.split(DecoderLM(config, rngs=nnx.Rngs(0)), nnx.Param, ...)
+  tx = optax.scale_by_adam(mu_dtype=jnp.float32)
+  params32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+  opt = jax.eval_shape(tx.init, params32)
+  # arguments of an optimizer-state step: Adam mu + nu (f32)
+  opt_bytes = jax.jit(lambda o: o).lower(opt).compile().memory_analysis().argument_size_in_bytes
+  assert abs(opt_bytes - est.optimizer) / opt_bytes < 0.15, (opt_bytes, est.optimizer)
+  tokens = jnp.zeros((4, 32), jnp.int32)
+
+  def loss(p):
+    return nnx.merge(graphdef, p, rest)(tokens).mean()
+
+  compiled = jax.jit(jax.grad(loss)).lower(params).compile()
+  ma = compiled.memory_analysis()
+  # params in (8 KB of value/reward heads aside), grads out
+  assert abs(ma.argument_size_in_bytes - est.params) / ma.argument_size_in_bytes < 0.15
+  assert abs(ma.output_size_in_bytes - est.grads) / ma.output_size_in_bytes < 0.15
+  # activations: an estimate, checked for order of magnitude against XLA's temporaries
+  assert 0.25 < est.activations / max(ma.temp_size_in_bytes, 1) < 4.0, (est.activations, ma.temp_size_in_bytes)
+  # KV cache of a 4 x 32 generation
+  kv = jax.jit(lambda: init_cache(config, 4, 32)).lower().compile().memory_analysis()
+  assert abs(kv.output_size_in_bytes - est.kv_cache) / kv.output_size_in_bytes < 0.15
+
+
+def test_sharding_divides_static_bytes():
+  shape = plan_lib.model_shape("7b")
+  cfg = plan_lib.PlanConfig(preset="fsdp_tp")
+  one = plan_lib.role_bytes("actor", shape, (1, 1, 1), cfg)
+  eight = plan_lib.role_bytes("actor", shape, (1, 4, 2), cfg)
+  assert eight.params == pytest.approx(one.params / 8)
+  assert eight.optimizer == pytest.approx(one.optimizer / 8)
+  ref = plan_lib.role_bytes("reference", shape, (1, 1, 1), cfg)
+  assert ref.grads == 0 and ref.optimizer == 0 and ref.kv_cache == 0
+
+
+def test_70b_four_roles_needs_8_to_16_gpus_for_weights_and_more_for_adam():
+  shape = plan_lib.model_shape("70b")
+  assert 68e9 < shape.num_params < 70e9   # Llama-2-70B: 68.98e9 parameters
+  models = {r: shape for r in ("actor", "critic", "reference", "reward")}
+  # weights alone: 4 x 69e9 x 2 B = 552 GB -> 6.9 x 80 GB, i.e. 8 GPUs (power of two), 16 with headroom
+  weights_only = plan_lib.PlanConfig(param_dtype="bfloat16", batch=8, seq=2048, trainable=(),
+                                     generating=())
+  mesh_w, _ = plan_lib.smallest_mesh(models, weights_only, device_memory_gb=80)
+  assert mesh_w in ((1, 8, 1), (1, 16, 1))   # "8-16 80 GB GPUs for the weights alone"
+  cfg = plan_lib.PlanConfig(param_dtype="bfloat16", opt_dtype="float32", batch=8, seq=2048)
+  mesh, total = plan_lib.smallest_mesh(models, cfg, device_memory_gb=80)
+  assert mesh == (1, 32, 1) and total < 72e9
+  assert plan_lib.smallest_mesh(models, cfg, device_memory_gb=80, max_devices=16) is None
+  cfg_bf16_adam = plan_lib.PlanConfig(param_dtype="bfloat16", opt_dtype="bfloat16", batch=8, seq=2048)
+  mesh_b, _ = plan_lib.smallest_mesh(models, cfg_bf16_adam, device_memory_gb=80)
+  assert mesh_b == (1, 32, 1)   # 552 GB weights + 276 GB grads + 552 GB bf16 Adam > 16 x 72 GB
+
+
+def test_bad_inputs_name_the_value(tmp_path):
+  with pytest.raises(ValueError, match="'300b' is neither a size preset"):
+    plan_lib.model_shape("300b")
+  with pytest.raises(ValueError, match="param_dtype must be one of .* got 'fp64'"):
+    plan_lib.PlanConfig(param_dtype="fp64")
+  with pytest.raises(ValueError, match="unknown sharding rules preset 'zero3'"):
+    plan_lib.PlanConfig(preset="zero3")
+
+
+def test_cli_hf_config_and_preset(tmp_path):
+  cfg = _tiny().to_hf_config()
+  path = tmp_path / "config.json"
+  path.write_text(json.dumps(cfg))
+  out = subprocess.run([sys.executable, "-m", "rljax.sharding.plan", f"--model={path}",
+                        "--mesh=1,2,1", "--batch=4", "--seq=32", "--device_memory_gb=0.01"],
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert "mesh data=1 fsdp=2 tensor=1 (2 devices)" in out.stdout
+  assert "smallest mesh that fits 0.01 GB devices" in out.stdout
+  bad = subprocess.run([sys.executable, "-m", "rljax.sharding.plan", "--model=nope"],
+                       capture_output=True, text=True, timeout=120)
+  assert bad.returncode == 2 and "error: model 'nope'" in bad.stderr
