@@ -36,6 +36,10 @@ _NUM_ENVS = flags.DEFINE_integer("num_envs", 256, "Parallel environments.")
 _TIMESTEPS = flags.DEFINE_integer("num_timesteps", 1_500_000, "Timesteps of the identical-settings runs.")
 _OUT = flags.DEFINE_string("out", None, "Write the JSON result here.")
 _SKIP_DEFAULT = flags.DEFINE_bool("skip_default", False, "Skip the rljax-default run.")
+_DEFAULT_TIMESTEPS = flags.DEFINE_integer(
+    "default_num_timesteps", None,
+    "Timesteps of the rljax-default run (default: --num_timesteps); only its steady "
+    "steps/s is reported, which does not depend on the run's length.")
 
 
 def install_device_put_replicated_shim() -> None:
@@ -202,6 +206,7 @@ def main(argv):
   default = None
   if not _SKIP_DEFAULT.value:
     dc = default_config(env_name)
+    dc = dc.replace(num_timesteps=_DEFAULT_TIMESTEPS.value or _TIMESTEPS.value, num_evals=5)
     default = run_rljax(dc)
     print(f"  rljax (default {dc.num_envs} envs, {dc.policy_hidden}/{dc.value_hidden}): {default}", flush=True)
   limit = physics_limit(env_name, _NUM_ENVS.value)
