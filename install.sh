@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Installs rljax and its test dependencies into .venv.
 #
-# As root on Debian/Ubuntu it first installs the system packages that rendering and the
+# As root on Debian/Ubuntu it first installs the system packages that rendering (OSMesa, ffmpeg) and the
 # multi-host tests use: OSMesa (headless MuJoCo rendering on CPU) and SLURM with munge (the
 # local cluster of tests/test_distributed_slurm.py). Elsewhere it prints what to install.
 set -euo pipefail
 cd "$(dirname "$0")"
-SYSTEM_PACKAGES="libosmesa6 slurmctld slurmd slurm-client munge"
+SYSTEM_PACKAGES="libosmesa6 ffmpeg slurmctld slurmd slurm-client munge"
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $SYSTEM_PACKAGES >/dev/null
