@@ -137,6 +137,8 @@ def run_brax(env_name: str, s: dict, episode_length: int) -> dict:
 
   from rljax import envs
 
+  # Both wall times start before the environment is built (rljax's train() builds it).
+  t0 = time.perf_counter()
   env = envs.make(env_name)
   wrap_env_fn = None
   if env_name.startswith("playground/"):
@@ -157,7 +159,6 @@ def run_brax(env_name: str, s: dict, episode_length: int) -> dict:
       value_hidden_layer_sizes=s["value_hidden_layer_sizes"],
   )
   kwargs = {k: v for k, v in s.items() if not k.endswith("hidden_layer_sizes")}
-  t0 = time.perf_counter()
   ppo_train.train(
       environment=env,
       episode_length=episode_length,

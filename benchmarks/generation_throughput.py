@@ -4,10 +4,12 @@ Setup (issue 3): a Qwen2-style model of ~28M parameters made with ``transformers
 temporary folder (hidden 512, 8 layers, 8 heads, 2 KV heads, SwiGLU width 1536, vocabulary 8192,
 tied embeddings); prompts of 64 random tokens; 128 new tokens; multinomial sampling at temperature
 1 over the full vocabulary (HF: ``do_sample=True, top_k=0, top_p=1``); no EOS, so both run all 128
-steps. HF runs PyTorch on CPU with its KV cache; rljax loads the same checkpoint with
+steps. HF runs PyTorch on CPU with its KV cache, timed with torch's default thread count and with
+one thread; the faster of the two is the baseline (on a loaded machine OpenMP's default threads
+can be many times slower). rljax loads the same checkpoint with
 ``rljax.models.load_hf_checkpoint``. The headline comparison is f32 against f32; rljax is also
-timed sampling from a bf16 copy of the weights (``SamplingConfig(dtype='bfloat16')``, f32
-accumulation), reported in separate columns.
+timed sampling from a bf16 copy of the weights (``SamplingConfig(dtype='bfloat16',
+cache_dtype='float32')``, f32 accumulation), reported in separate columns.
 
 tokens/s = batch_size * new_tokens / wall time of one generate call (prefill included), the median
 of ``--repeats`` calls after one warm-up call. ``rljax_compile_s`` is the first call's wall time
@@ -17,6 +19,7 @@ The decode roofline (see ``benchmarks/README.md``) uses this machine's measured 
 (a weight-streaming GEMV larger than the caches) and f32 matmul throughput (a large GEMM):
 
   t_step(B) = max((W + KV(B)) / BW, (2 * N * B + A(B)) / F),   roofline = B / t_step(B)
+  end-to-end (prefill included): B * R / (2 * N * B * P / F + (R - 1) * t_step(B))
 
 Usage::
 
@@ -24,13 +27,15 @@ Usage::
 
 The JSON holds ``results``: one object per batch size with ``batch_size``,
 ``rljax_tokens_per_s``, ``hf_tokens_per_s``, ``ratio_vs_hf``, ``rljax_compile_s``,
-``roofline_tokens_per_s`` (f32) and ``rljax_bf16_tokens_per_s``, ``ratio_bf16_vs_hf``,
-``roofline_bf16_tokens_per_s``; plus the measured ``machine`` figures and the load average.
+``roofline_tokens_per_s`` (f32 decode bound), ``roofline_e2e_tokens_per_s`` (with prefill) and the
+same for bf16 (``rljax_bf16_tokens_per_s``, ``ratio_bf16_vs_hf``, ``roofline_bf16_tokens_per_s``,
+``roofline_e2e_bf16_tokens_per_s``); plus the measured ``machine`` figures and the load average.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -88,29 +93,58 @@ def measure_machine(repeats: int = 7) -> dict[str, float]:
   return out
 
 
-def roofline_tokens_per_s(batch: int, *, n_params: int, weight_bytes: int, layers: int,
-                          kv_heads: int, heads: int, head_dim: int, prompt_len: int,
-                          new_tokens: int, bandwidth: float, flops: float,
-                          bytes_per_el: int = 4) -> float:
-  """Decode bound at the mean cache length ``S = P + R / 2``; see the module docstring."""
+def decode_step_bound_s(batch: int, *, n_params: int, weight_bytes: int, layers: int,
+                        kv_heads: int, heads: int, head_dim: int, prompt_len: int,
+                        new_tokens: int, bandwidth: float, flops: float,
+                        bytes_per_el: int = 4) -> float:
+  """Lower bound on one decode step's time at the mean cache length ``S = P + R / 2``."""
   s = prompt_len + new_tokens / 2
   kv_bytes = batch * layers * 2 * kv_heads * s * head_dim * bytes_per_el
   attn_flops = batch * layers * 2 * 2 * heads * s * head_dim
   t_mem = (weight_bytes + kv_bytes) / bandwidth
   t_compute = (2 * n_params * batch + attn_flops) / flops
-  return batch / max(t_mem, t_compute)
+  return max(t_mem, t_compute)
 
 
-def time_calls(fn, repeats: int) -> tuple[float, float]:
-  t = time.perf_counter()
-  fn()
-  first = time.perf_counter() - t
-  times = []
-  for _ in range(repeats):
+def roofline_tokens_per_s(batch: int, **geometry) -> float:
+  """Decode roofline: ``B / t_step(B)`` (see the module docstring)."""
+  return batch / decode_step_bound_s(batch, **geometry)
+
+
+def roofline_e2e_tokens_per_s(batch: int, **geometry) -> float:
+  """End-to-end bound of one generate call, prefill (``2 N B P`` flops) included."""
+  t_prefill = 2 * geometry["n_params"] * batch * geometry["prompt_len"] / geometry["flops"]
+  r = geometry["new_tokens"]
+  return batch * r / (t_prefill + (r - 1) * decode_step_bound_s(batch, **geometry))
+
+
+def with_torch_threads(threads: int, fn):
+  """Runs ``fn()`` with ``torch.set_num_threads(threads)``, then restores the setting."""
+  before = torch.get_num_threads()
+  torch.set_num_threads(threads)
+  try:
+    return fn()
+  finally:
+    torch.set_num_threads(before)
+
+
+def time_interleaved(fns: dict, repeats: int) -> dict[str, tuple[float, float]]:
+  """``name -> (first call s, median of the next `repeats` calls s)``.
+
+  After one warm-up call each, the functions take turns, so a change in machine load hits all
+  of them alike.
+  """
+  first, times = {}, {name: [] for name in fns}
+  for name, fn in fns.items():
     t = time.perf_counter()
     fn()
-    times.append(time.perf_counter() - t)
-  return first, statistics.median(times)
+    first[name] = time.perf_counter() - t
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      t = time.perf_counter()
+      fn()
+      times[name].append(time.perf_counter() - t)
+  return {name: (first[name], statistics.median(times[name])) for name in fns}
 
 
 def main(argv=None) -> int:
@@ -126,12 +160,15 @@ def main(argv=None) -> int:
   parser.add_argument("--kv-heads", type=int, default=2)
   parser.add_argument("--mlp", type=int, default=1536)
   parser.add_argument("--skip-hf", action="store_true", help="time rljax only")
+  parser.add_argument("--hf-threads", default=f"{torch.get_num_threads()},1",
+                      help="torch thread counts to time HF with; the best one is the baseline")
   parser.add_argument("--no-bf16", dest="bf16", action="store_false",
                       help="skip the rljax run with bf16 weights "
                       "(SamplingConfig(dtype='bfloat16'))")
   parser.add_argument("--out", default=None, help="write the results as JSON here")
   args = parser.parse_args(argv)
   batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+  hf_threads = list(dict.fromkeys(int(t) for t in args.hf_threads.split(",")))
   p, r = args.prompt_len, args.new_tokens
 
   machine = measure_machine()
@@ -148,21 +185,20 @@ def main(argv=None) -> int:
     cfg = model.config
     n_params = cfg.num_params()  # every weight is read once per decode step (tied head included)
     print(f"model: {n_params / 1e6:.1f}M parameters, {4 * n_params / 1e6:.0f} MB f32", flush=True)
+    # bf16: weights and activations in bf16, KV cache and attention products in f32 (the faster
+    # choice on CPU, see SamplingConfig.cache_dtype).
     samplers = {
         dtype: sampling.Sampler(model, sampling.SamplingConfig(
-            max_new_tokens=r, temperature=1.0, eos_token_ids=(), pad_token_id=0, dtype=dtype))
+            max_new_tokens=r, temperature=1.0, eos_token_ids=(), pad_token_id=0, dtype=dtype,
+            cache_dtype="float32"))
         for dtype in (["float32", "bfloat16"] if args.bf16 else ["float32"])}
     rng = np.random.default_rng(0)
     for b in batch_sizes:
       prompts = rng.integers(0, args.vocab, size=(b, p))
       seeds = iter(range(1_000_000))
-      timed = {}
-      for dtype, sampler in samplers.items():
-        timed[dtype] = time_calls(
-            lambda: sampler.generate(prompts.tolist(), seed=next(seeds)), args.repeats)
-      first, rl_s = timed["float32"]
-      rl_tps = b * r / rl_s
-      hf_tps = float("nan")
+      fns = {dtype: functools.partial(
+          lambda s: s.generate(prompts.tolist(), seed=next(seeds)), sampler)
+             for dtype, sampler in samplers.items()}
       if not args.skip_hf:
         ids = torch.tensor(prompts)
         attn = torch.ones_like(ids)
@@ -175,45 +211,57 @@ def main(argv=None) -> int:
                 pad_token_id=0, eos_token_id=None)
           assert out.shape == (b, p + r), out.shape
 
-        _, hf_s = time_calls(hf_generate, args.repeats)
-        hf_tps = b * r / hf_s
+        for threads in hf_threads:
+          fns[f"hf_{threads}"] = functools.partial(with_torch_threads, threads, hf_generate)
+      timed = time_interleaved(fns, args.repeats)
+      first, rl_s = timed["float32"]
+      rl_tps = b * r / rl_s
+      hf_by_threads = {t: b * r / timed[f"hf_{t}"][1] for t in hf_threads}
+      # The baseline is HF's best thread setting (its default one wins on an idle machine; one
+      # thread wins when other processes load the CPUs and OpenMP threads wait on each other).
+      hf_tps = max(hf_by_threads.values()) if hf_by_threads else float("nan")
       geometry = dict(n_params=n_params, layers=cfg.num_layers, kv_heads=cfg.num_kv_heads,
                       heads=cfg.num_heads, head_dim=cfg.head_dim, prompt_len=p, new_tokens=r,
                       bandwidth=machine["bandwidth_bytes_per_s"])
+      f32 = dict(geometry, weight_bytes=4 * n_params, flops=machine["matmul_flops_per_s"])
       row = {
           "batch_size": b,
           "rljax_tokens_per_s": round(rl_tps, 1),
           "hf_tokens_per_s": round(hf_tps, 1),
           "ratio_vs_hf": round(rl_tps / hf_tps, 2) if hf_tps == hf_tps else None,
           "rljax_compile_s": round(first - rl_s, 2),
-          "roofline_tokens_per_s": round(roofline_tokens_per_s(
-              b, weight_bytes=4 * n_params, flops=machine["matmul_flops_per_s"], **geometry), 1),
+          **{f"hf_{t}_threads_tokens_per_s": round(v, 1) for t, v in hf_by_threads.items()},
+          "roofline_tokens_per_s": round(roofline_tokens_per_s(b, **f32), 1),
+          "roofline_e2e_tokens_per_s": round(roofline_e2e_tokens_per_s(b, **f32), 1),
       }
       if "bfloat16" in timed:
         bf_tps = b * r / timed["bfloat16"][1]
+        bf16 = dict(geometry, weight_bytes=2 * n_params, bytes_per_el=2,
+                    flops=machine["bf16_matmul_flops_per_s"])
         row.update({
             "rljax_bf16_tokens_per_s": round(bf_tps, 1),
             "ratio_bf16_vs_hf": round(bf_tps / hf_tps, 2) if hf_tps == hf_tps else None,
-            "roofline_bf16_tokens_per_s": round(roofline_tokens_per_s(
-                b, weight_bytes=2 * n_params, flops=machine["bf16_matmul_flops_per_s"],
-                bytes_per_el=2, **geometry), 1),
+            "roofline_bf16_tokens_per_s": round(roofline_tokens_per_s(b, **bf16), 1),
+            "roofline_e2e_bf16_tokens_per_s": round(roofline_e2e_tokens_per_s(b, **bf16), 1),
         })
       rows.append(row)
       print(json.dumps(row), flush=True)
 
   header = ["batch", "rljax f32 tok/s", "HF f32 tok/s", "ratio", "compile s",
-            "roofline f32 tok/s"]
+            "roofline f32 (decode / e2e)"]
   if args.bf16:
-    header += ["rljax bf16 tok/s", "bf16 ratio", "roofline bf16 tok/s"]
+    header += ["rljax bf16 tok/s", "bf16 ratio", "roofline bf16 (decode / e2e)"]
   print("\n| " + " | ".join(header) + " |")
   print("|" + "---|" * len(header))
   for row in rows:
     cells = [row["batch_size"], f"{row['rljax_tokens_per_s']:.0f}",
              f"{row['hf_tokens_per_s']:.0f}", f"{row['ratio_vs_hf']}",
-             f"{row['rljax_compile_s']:.1f}", f"{row['roofline_tokens_per_s']:.0f}"]
+             f"{row['rljax_compile_s']:.1f}",
+             f"{row['roofline_tokens_per_s']:.0f} / {row['roofline_e2e_tokens_per_s']:.0f}"]
     if args.bf16:
       cells += [f"{row['rljax_bf16_tokens_per_s']:.0f}", f"{row['ratio_bf16_vs_hf']}",
-                f"{row['roofline_bf16_tokens_per_s']:.0f}"]
+                f"{row['roofline_bf16_tokens_per_s']:.0f} / "
+                f"{row['roofline_e2e_bf16_tokens_per_s']:.0f}"]
     print("| " + " | ".join(str(c) for c in cells) + " |")
   if args.out:
     with open(args.out, "w") as f:

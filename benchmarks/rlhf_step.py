@@ -7,12 +7,18 @@ heads, vocabulary 8192) made with ``transformers`` and saved to a temporary fold
 both; 8 prompts x 4 generations; 64-token prompts; 32 new tokens; a programmatic reward (the
 fraction of even token ids in the completion). TRL runs with its defaults (bf16 autocast,
 gradient checkpointing, beta = 0) and with fp32 and beta = 0.04; rljax runs GRPO at the same
-beta (k3 in the loss, as TRL). Step times are medians over ``--steps`` steps after warm-up.
+beta (k3 in the loss, as TRL) with ``reuse_rollout_log_probs`` (one epoch, one minibatch: the old
+log-probs are the sampler's, no extra forward pass, as TRL's ``num_iterations=1``). Step times
+are medians over ``--steps`` steps after warm-up. The load average is recorded in the JSON.
 
-``flops_floor_s`` = the step's matmul FLOPs (generation 2*N per token, reference forward 2*N
-per token when beta > 0, old-log-prob forward 2*N, policy forward + backward 6*N per token,
-with N the non-embedding parameters + LM head) divided by this machine's measured f32 matmul
-throughput. ``trl`` is a benchmark-only dependency.
+``flops_floor_s`` = the step's matmul FLOPs divided by this machine's measured f32 matmul
+throughput. With ``N_body`` the transformer's non-embedding parameters and ``N_head`` the LM
+head's, one pass over the batch costs ``2 * N_body`` per token of the prompt + response and
+``2 * N_head`` per *response* token (both trainers compute logits only where log-probs are
+needed; generation needs them only for the new tokens). The step is generation (1 pass),
+the reference forward (1 pass, only when beta > 0) and the policy's forward + backward (3
+passes). No old-log-prob pass: with one iteration per generation TRL skips it, and rljax
+runs with ``reuse_rollout_log_probs``. ``trl`` is a benchmark-only dependency.
 """
 
 from __future__ import annotations
@@ -79,18 +85,18 @@ def matmul_flops_per_s() -> float:
 
 
 def flops_floor(beta: float, throughput: float) -> float:
-  n = LAYERS * (HIDDEN * HEADS * 64 * 2 + HIDDEN * KV_HEADS * 64 * 2 + 3 * HIDDEN * INTER)
-  n += HIDDEN * VOCAB  # LM head
+  """Seconds of matmul FLOPs of one step at ``throughput`` FLOP/s (see the module docstring)."""
+  head_dim = HIDDEN // HEADS
+  n_body = LAYERS * (HIDDEN * HEADS * head_dim * 2 + HIDDEN * KV_HEADS * head_dim * 2
+                     + 3 * HIDDEN * INTER)
+  n_head = HIDDEN * VOCAB
   b = PROMPTS * GROUP
-  seq = PROMPT_LEN + NEW
-  gen = 2 * n * b * seq
-  fwd = 2 * n * b * seq
-  train = 6 * n * b * seq
-  total = gen + fwd + train + (fwd if beta > 0 else 0)
-  return total / throughput
+  one_pass = 2 * n_body * b * (PROMPT_LEN + NEW) + 2 * n_head * b * NEW
+  passes = 1 + 3 + (1 if beta > 0 else 0)  # generation, forward + backward, reference
+  return passes * one_pass / throughput
 
 
-def rljax_step(path: str, beta: float, steps: int) -> dict:
+def rljax_step(path: str, beta: float, steps: int, reuse_rollout_log_probs: bool = True) -> dict:
   import jax
 
   from rljax import ppo
@@ -109,7 +115,7 @@ def rljax_step(path: str, beta: float, steps: int) -> dict:
   cfg = rlhf.RLHFConfig(
       algo="grpo", num_steps=steps + 2, prompts_per_step=PROMPTS, group_size=GROUP,
       max_new_tokens=NEW, actor_lr=1e-5, kl_coef=beta, kl_estimator="k3", kl_placement="loss",
-      ppo=ppo.PPOConfig(num_epochs=1, num_minibatches=1, normalize_advantages=False))
+      reuse_rollout_log_probs=reuse_rollout_log_probs, ppo=ppo.PPOConfig(num_epochs=1, num_minibatches=1, normalize_advantages=False))
   reward = lambda s: np.asarray([even_fraction(r) for r in s.response_ids], np.float32)
   tr = rlhf.RLHFTrainer(cfg, actor=model, tokenizer=Tok(), prompts=prompts, reward_fn=reward)
   recs = [tr.step() for _ in range(steps + 2)][2:]  # two warm-up steps (compilation)
@@ -160,6 +166,7 @@ def main():
   ap.add_argument("--steps", type=int, default=5, help="timed steps (after 2 warm-up steps)")
   ap.add_argument("--skip_trl", action="store_true", help="time rljax only")
   a = ap.parse_args()
+  load_start = os.getloadavg()
   throughput = matmul_flops_per_s()
   rows = []
   with tempfile.TemporaryDirectory() as path:
@@ -183,7 +190,9 @@ def main():
   result = dict(rljax_step_s=head["rljax_step_s"], trl_step_s=head["trl_step_s"],
                 ratio_vs_trl=head["ratio_vs_trl"], rljax_phases=head["rljax_phases"],
                 flops_floor_s=head["flops_floor_s"], headline_setting=head["setting"],
-                matmul_flops_per_s=throughput, rows=rows)
+                matmul_flops_per_s=throughput, rows=rows,
+                load_average_start=load_start, load_average_end=os.getloadavg())
+  print(f"load average (1, 5, 15 min): start {load_start}, end {result['load_average_end']}")
   if a.out:
     with open(a.out, "w") as f:
       json.dump(result, f, indent=2)

@@ -1,11 +1,17 @@
-r"""Train a PPO policy on an MJX environment.
+r"""Train a policy on an MJX environment with PPO (default) or analytic policy gradients.
 
     python experiments/train_control.py                       # CartpoleBalance, bundled defaults
     python experiments/train_control.py --env=brax/ant --num_timesteps=5000000 --logdir=runs/ant
+    python experiments/train_control.py --algo=apg --env=playground/CartpoleSwingup
+    python experiments/train_control.py --eval_video=mp4,gif --wandb   # videos; W&B offline
 
 Every ``ControlConfig`` field is a flag; unset flags take the environment's bundled
-default (``rljax.control.config.default_config``). Bad values fail before anything
-compiles, with exit status 2 and a one-line message (``--verbose`` for a traceback).
+default (``rljax.control.config.default_config``). With ``--algo=apg`` the flags are
+``APGConfig``'s fields (``rljax.control.apg``; defaults ``apg.default_apg_config``), and
+PPO-only flags are errors. Bad values fail before anything compiles, with exit status 2
+and a one-line message (``--verbose`` for a traceback).
+
+Every run writes ``<logdir>/run_info.json`` (config, package versions, command line).
 
 Exit status: 0 done; 2 bad input; 3 halted on a non-finite value (``--nonfinite=halt``);
 75 (``EXIT_PREEMPTED``) stopped by SIGTERM after writing a checkpoint: run the same
@@ -21,9 +27,16 @@ import time
 
 from absl import app, flags
 
-from rljax import runtime
+from rljax import run_info, runtime
 from rljax.sharding import distributed
 
+ALGOS = ("ppo", "apg")
+_ALGO = flags.DEFINE_string("algo", "ppo", f"Training algorithm: {', '.join(ALGOS)}.")
+_EVAL_VIDEO = flags.DEFINE_list(
+    "eval_video", [], "Video formats (mp4, gif) written at each evaluation to "
+    "<logdir>/videos/eval_<env_steps>.<format> (PPO only); empty = no videos.")
+_VIDEO_SIZE = flags.DEFINE_list("video_size", ["240", "320"], "Eval video height,width in pixels.")
+_WANDB = run_info.define_wandb_flag()
 _ENV = flags.DEFINE_string("env", "playground/CartpoleBalance", "Environment name (rljax.envs.list_envs()).")
 _LOGDIR = flags.DEFINE_string("logdir", None, "Output directory (default runs/<env>-<time>).")
 _CACHE = flags.DEFINE_bool("compilation_cache", True, "Use JAX's persistent compilation cache.")
@@ -42,8 +55,10 @@ _RESUME = flags.DEFINE_bool(
     "resume", True, "Continue from the newest checkpoint in --logdir when there is one."
 )
 
-# One flag per ControlConfig field (except env), defaulting to "use the env's default".
+# One flag per ControlConfig field (except env), defaulting to "use the env's default",
+# and one per APG-only APGConfig field.
 _FIELD_FLAGS = {}
+_APG_FLAGS = {}
 _HELP = {
     "num_timesteps": "Environment steps to train for.",
     "num_envs": "Parallel environments.",
@@ -56,38 +71,62 @@ _HELP = {
     "gamma": "Discount factor.",
     "gae_lambda": "GAE lambda.",
     "clip_eps": "PPO clip range.",
+    "horizon_length": "APG: steps per policy update (the differentiated rollout).",
+    "truncation_length": "APG: gradients flow back at most this many steps (0 = horizon_length).",
+    "num_updates": "APG: policy updates in the run.",
+    "lr_decay": "APG: per-update learning-rate decay (1 = constant).",
+    "solver_iterations": "APG: MJX opt.iterations for training (1 makes MJX differentiable).",
+    "ls_iterations": "APG: MJX opt.ls_iterations for training.",
 }
 
 
+def _define_flag(f, help_text):
+  kind = f.type if isinstance(f.type, str) else f.type.__name__
+  kind = kind.removesuffix(" | None")
+  if kind == "int":
+    return flags.DEFINE_integer(f.name, None, help_text)
+  if kind == "float":
+    return flags.DEFINE_float(f.name, None, help_text)
+  if kind == "bool":
+    return flags.DEFINE_bool(f.name, None, help_text)
+  if kind == "str":
+    return flags.DEFINE_string(f.name, None, help_text)
+  return flags.DEFINE_list(f.name, None, help_text + " Comma-separated ints.")  # tuple[int, ...]
+
+
 def _define_field_flags():
+  from rljax.control import apg
   from rljax.control.config import ControlConfig
 
   for f in dataclasses.fields(ControlConfig):
     if f.name in ("env", "env_kwargs"):
       continue
-    help_text = _HELP.get(f.name, f"ControlConfig.{f.name}.")
-    if f.type in ("int", int):
-      _FIELD_FLAGS[f.name] = flags.DEFINE_integer(f.name, None, help_text)
-    elif f.type in ("float", float):
-      _FIELD_FLAGS[f.name] = flags.DEFINE_float(f.name, None, help_text)
-    elif f.type in ("bool", bool):
-      _FIELD_FLAGS[f.name] = flags.DEFINE_bool(f.name, None, help_text)
-    elif f.type in ("str", str):
-      _FIELD_FLAGS[f.name] = flags.DEFINE_string(f.name, None, help_text)
-    else:  # tuple[int, ...]
-      _FIELD_FLAGS[f.name] = flags.DEFINE_list(f.name, None, help_text + " Comma-separated ints.")
+    _FIELD_FLAGS[f.name] = _define_flag(f, _HELP.get(f.name, f"ControlConfig.{f.name}."))
+  apg_only = apg.apg_only_fields()
+  for f in dataclasses.fields(apg.APGConfig):
+    if f.name in apg_only:
+      _APG_FLAGS[f.name] = _define_flag(f, _HELP.get(f.name, f"APG: APGConfig.{f.name}."))
 
 
 _define_field_flags()
 
 
+def check_algo(algo: str) -> str:
+  """Returns ``algo`` if it is one of `ALGOS`; else raises ValueError listing them."""
+  if algo not in ALGOS:
+    raise ValueError(f"--algo must be one of {', '.join(ALGOS)}; got {algo!r}.")
+  return algo
+
+
 def build_config():
+  """``ControlConfig`` (``--algo=ppo``) or ``APGConfig`` (``--algo=apg``) from the flags."""
   from rljax import envs
   from rljax.control.config import ConfigError, default_config
 
+  algo = check_algo(_ALGO.value)
   envs.check_name(_ENV.value)
   overrides = {}
-  for name, flag in _FIELD_FLAGS.items():
+  for name, flag in {**_FIELD_FLAGS, **_APG_FLAGS}.items():
     if flag.value is None:
       continue
     value = flag.value
@@ -97,7 +136,38 @@ def build_config():
       except ValueError:
         raise ConfigError(f"--{name} must be comma-separated integers, got {','.join(value)!r}.")
     overrides[name] = value
+  if algo == "apg":
+    from rljax.control import apg
+
+    return apg.build_apg_config(_ENV.value, overrides)
+  apg_only = sorted(k for k in overrides if k in _APG_FLAGS)
+  if apg_only:
+    raise ConfigError(
+        f"{', '.join('--' + k for k in apg_only)}: APG settings, valid only with --algo=apg.")
   return default_config(_ENV.value).replace(**overrides)
+
+
+def build_eval_video(config, logdir: str):
+  """The trainer's ``on_eval`` callback for ``--eval_video``, or ``None`` without it.
+
+  Raises:
+    ValueError: an unknown format, a bad ``--video_size``, or ``--algo=apg``.
+  """
+  formats = tuple(f.strip().lower() for f in _EVAL_VIDEO.value if f.strip())
+  if not formats:
+    return None
+  if _ALGO.value != "ppo":
+    raise ValueError(f"--eval_video works with --algo=ppo only, got --algo={_ALGO.value}.")
+  try:
+    height, width = (int(v) for v in _VIDEO_SIZE.value)
+  except ValueError:
+    raise ValueError(
+        f"--video_size must be two integers HEIGHT,WIDTH, got {','.join(_VIDEO_SIZE.value)!r}."
+    ) from None
+  from rljax.control import eval_video
+
+  return eval_video.eval_video_callback(config, logdir, formats=formats, height=height,
+                                        width=width)
 
 
 def build_mesh(config):
@@ -123,21 +193,31 @@ def main(argv):
   def run():
     distributed.initialize_from_flags()  # no-op for one process outside SLURM
     config = build_config()  # validates before anything compiles
-    mesh = build_mesh(config)
+    if _ALGO.value == "apg" and _MESH.value is not None:
+      raise ValueError("--mesh is not supported with --algo=apg (APG runs on one device).")
+    mesh = build_mesh(config) if _ALGO.value == "ppo" else None
     logdir = _LOGDIR.value or os.path.join(
         "runs", f"{config.env.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
+    on_eval = build_eval_video(config, logdir)  # validates the video flags
     from rljax.checkpoint import check_writable
 
     check_writable(logdir)
+    run_info.start_run(logdir, config, use_wandb=_WANDB.value, extra={"algo": _ALGO.value})
     if _CACHE.value:
       runtime.enable_compilation_cache(_CACHE_DIR.value)
     from rljax.control import trainer
 
     try:
-      result = trainer.train(
-          config, logdir, progress=_PROGRESS.value, resume=_RESUME.value, mesh=mesh
-      )
+      if _ALGO.value == "apg":
+        from rljax.control import apg
+
+        result = apg.train_apg(config, logdir, progress=_PROGRESS.value)
+      else:
+        result = trainer.train(
+            config, logdir, progress=_PROGRESS.value, resume=_RESUME.value, mesh=mesh,
+            on_eval=on_eval,
+        )
     except trainer.Preempted as e:
       print(f"{e}; exiting with status {trainer.EXIT_PREEMPTED}", file=sys.stderr)
       return trainer.EXIT_PREEMPTED

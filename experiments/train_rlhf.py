@@ -15,19 +15,27 @@ with a 95% CI), then PPO against that reward model.
 
 Everything lives in rljax.alignment.pipeline; this script parses flags. User errors exit with
 status 2 and one line (--verbose for a traceback).
+
+Checkpoints (rljax.alignment.checkpointing): every --checkpoint_every RL steps; running the same
+command with the same --logdir resumes exactly. Exit status: 0 done; 2 bad input; 75
+(EXIT_PREEMPTED) stopped by SIGTERM after writing a checkpoint: run the same command again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 
 from absl import app, flags
 
-from rljax import runtime
+from rljax import run_info, runtime
+from rljax.alignment import flags as alignment_flags
+from rljax.sharding import distributed
 
-_ALGO = flags.DEFINE_enum("algo", "ppo", ["ppo", "grpo", "rloo", "reinforce_pp"], "RL algorithm.")
+_ALGOS = ("ppo", "grpo", "rloo", "reinforce_pp")
+_ALGO = flags.DEFINE_string("algo", "ppo", f"RL algorithm: one of {', '.join(_ALGOS)}.")
 _DATA = flags.DEFINE_string("preference_data", None,
                             "HH-RLHF or {prompt,chosen,rejected} JSONL(.gz); default: embedded task.")
 _LOGDIR = flags.DEFINE_string("logdir", None, "Output directory (default runs/rlhf-<algo>-<time>).")
@@ -37,19 +45,77 @@ _KL_EST = flags.DEFINE_enum("kl_estimator", None, ["k1", "k2", "k3"], "Per-token
 _KL_IN = flags.DEFINE_enum("kl_placement", None, ["reward", "loss"], "KL in the reward or the loss.")
 _ADAPTIVE = flags.DEFINE_bool("adaptive_kl", None, "Ziegler et al.'s adaptive KL controller.")
 _KL_TARGET = flags.DEFINE_float("kl_target", None, "Adaptive controller's target KL (nats).")
+_KL_HORIZON = flags.DEFINE_integer("kl_horizon", None,
+                                   "Adaptive controller's horizon (samples; Ziegler et al.: 10000).")
+_ACTOR_LR = flags.DEFINE_float("actor_lr", None, "Actor (policy) Adam learning rate.")
 _CLIP_HIGH = flags.DEFINE_float("clip_eps_high", None, "DAPO clip-higher upper clip range.")
 _OVERLONG = flags.DEFINE_integer("overlong_buffer", None, "DAPO overlong buffer (tokens; 0 = off).")
 _LIMIT = flags.DEFINE_integer("limit", None, "Read at most this many preference pairs.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed.")
 _CACHE = flags.DEFINE_bool("compilation_cache", True, "Use JAX's persistent compilation cache.")
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Print tracebacks for user errors.")
+_WANDB = run_info.define_wandb_flag()
+# Devices: mesh, rules, role placement (rljax.alignment.pipeline.make_placement), processes.
+_MESH = flags.DEFINE_string(
+    "mesh", None, "Device mesh D,F,T (data, fsdp, tensor sizes). colocated: over all devices "
+    "(default: all on data); disaggregated: the training mesh, the other devices generate.")
+_RULES = flags.DEFINE_string("sharding_rules", "fsdp",
+                             "Training sharding preset: fsdp, fsdp_tp or dp (rljax.sharding.rules).")
+_PLACEMENT = flags.DEFINE_string(
+    "placement", "colocated", "colocated (all roles on one mesh; the actor is resharded from the "
+    "training layout to tp for generation) or disaggregated (generation on separate devices).")
+distributed.define_flags()
+# Checkpoints, resume and preemption (names as in train_control.py).
+_RESUME = flags.DEFINE_bool(
+    "resume", True, "Continue from the newest checkpoint in --logdir when there is one.")
+_CKPT_EVERY = flags.DEFINE_integer("checkpoint_every", 10, "RL steps between checkpoints.")
+_KEEP = flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept (the newest).")
+_CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", None,
+                                 "Cache directory (default ~/.cache/rljax).")
+# Stage sizes of the embedded default (tests and quick runs use small ones).
+_PRETRAIN = flags.DEFINE_integer("pretrain_steps", None, "Embedded: pre-training steps.")
+_SFT_STEPS = flags.DEFINE_integer("sft_steps", None, "Embedded: SFT steps.")
+_EVAL_PROMPTS = flags.DEFINE_integer(
+    "num_eval_prompts", None, "Embedded: held-out problems for greedy accuracy (0 = none).")
+_PPS = flags.DEFINE_integer("prompts_per_step", None, "Prompts per RL step.")
+
+# Preference data: prompt budget, tokenizer (rljax.alignment.flags).
+_DATA_FLAGS = alignment_flags.define_data_flags()
 
 
 def rl_overrides() -> dict:
   out = {"seed": _SEED.value}
   for key, flag in (("num_steps", _STEPS), ("kl_coef", _KL), ("kl_estimator", _KL_EST),
                     ("kl_placement", _KL_IN), ("adaptive_kl", _ADAPTIVE), ("kl_target", _KL_TARGET),
-                    ("overlong_buffer", _OVERLONG)):
+                    ("overlong_buffer", _OVERLONG), ("kl_horizon", _KL_HORIZON),
+                    ("actor_lr", _ACTOR_LR)):
+    if flag.value is not None:
+      out[key] = flag.value
+  return out
+
+
+def check_algo(name: str) -> str:
+  """``name`` if it is a known algorithm, else a ValueError suggesting close matches."""
+  if name in _ALGOS:
+    return name
+  import difflib
+
+  close = difflib.get_close_matches(name, _ALGOS, n=2, cutoff=0.5)
+  hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+  raise ValueError(f"--algo {name!r} is not one of {', '.join(_ALGOS)}{hint}")
+
+
+def check_checkpoint_flags() -> None:
+  for name, flag in (("checkpoint_every", _CKPT_EVERY), ("keep_checkpoints", _KEEP)):
+    if flag.value < 1:
+      raise ValueError(f"--{name} must be >= 1, got {flag.value}")
+
+
+def stage_overrides() -> dict:
+  """EmbeddedConfig fields set by flags."""
+  out = {}
+  for key, flag in (("pretrain_steps", _PRETRAIN), ("sft_steps", _SFT_STEPS),
+                    ("num_eval_prompts", _EVAL_PROMPTS)):
     if flag.value is not None:
       out[key] = flag.value
   return out
@@ -63,42 +129,67 @@ def main(argv):
     from rljax.alignment import pipeline
     from rljax.checkpoint import check_writable
 
+    distributed.initialize_from_flags()  # no-op for one process outside SLURM
+    check_algo(_ALGO.value)
+    check_checkpoint_flags()
+    placement = pipeline.make_placement(_MESH.value, _RULES.value, _PLACEMENT.value)
     logdir = _LOGDIR.value or os.path.join(
         "runs", f"rlhf-{_ALGO.value}-{time.strftime('%Y%m%d-%H%M%S')}")
     overrides = rl_overrides()
+    if _PPS.value is not None:
+      overrides["prompts_per_step"] = _PPS.value
     if _DATA.value is None:
       rl = pipeline.default_rl_config(_ALGO.value, **overrides)
       if _CLIP_HIGH.value is not None:
         rl = dataclasses.replace(rl, ppo=dataclasses.replace(rl.ppo, clip_eps_high=_CLIP_HIGH.value))
-      config = pipeline.EmbeddedConfig(rl=rl, seed=_SEED.value)
+      config = pipeline.EmbeddedConfig(rl=rl, seed=_SEED.value, **stage_overrides())
     else:
       if not os.path.exists(_DATA.value):
         raise FileNotFoundError(f"--preference_data {_DATA.value!r} does not exist")
       base = pipeline.PreferenceConfig()
       group = 4 if _ALGO.value in ("grpo", "rloo") else 1
-      rl = dataclasses.replace(base.rl, algo=_ALGO.value, group_size=group,
-                               prompts_per_step=base.rl.prompts_per_step // group, **overrides)
+      overrides.setdefault("prompts_per_step", base.rl.prompts_per_step // group)
+      rl = dataclasses.replace(base.rl, algo=_ALGO.value, group_size=group, **overrides)
       if _CLIP_HIGH.value is not None:
         rl = dataclasses.replace(rl, ppo=dataclasses.replace(rl.ppo, clip_eps_high=_CLIP_HIGH.value))
-      config = dataclasses.replace(base, rl=rl, limit=_LIMIT.value, seed=_SEED.value)
+      config = dataclasses.replace(base, rl=rl, limit=_LIMIT.value, seed=_SEED.value,
+                                   **_DATA_FLAGS.overrides())
+    pipeline.check_placement(placement, rl=config.rl,
+                             batch_sizes={"batch_size": config.batch_size})  # before compiling
     check_writable(logdir)
+    run_info.start_run(logdir, config, use_wandb=_WANDB.value)
     if _CACHE.value:
-      runtime.enable_compilation_cache()
-    if _DATA.value is None:
-      s = pipeline.run_embedded(config, logdir=logdir)
-      print(f"embedded {_ALGO.value}: mean reward {s['reward_first']:.3f} (first 10 steps) -> "
-            f"{s['reward_last']:.3f} (last 10); KL last {s['kl_last']:.3f}, max {s['kl_max']:.3f}; "
-            f"greedy accuracy {s['accuracy_before']:.3f} -> {s['accuracy_after']:.3f}; "
-            f"wall {s['wall_s']:.0f} s; logdir {logdir}")
-    else:
-      s = pipeline.run_preference(_DATA.value, config, logdir=logdir)
-      lo, hi = s["rm_ci"]
-      print(f"{_DATA.value}: reward model held-out accuracy {s['rm_accuracy']:.3f} "
-            f"(95% CI {lo:.3f}-{hi:.3f}, n={s['rm_heldout']}); {_ALGO.value} reward "
-            f"{s['reward_first']:.3f} -> {s['reward_last']:.3f}, KL last {s['kl_last']:.3f} "
-            f"max {s['kl_max']:.3f}; wall {s['wall_s']:.0f} s; logdir {logdir}")
+      runtime.enable_compilation_cache(_CACHE_DIR.value)
+    from rljax import checkpoint as ckpt
+    from rljax.alignment import checkpointing
+
+    ckpt_kw = dict(checkpoint_every=_CKPT_EVERY.value, keep_checkpoints=_KEEP.value,
+                   resume=_RESUME.value, placement=placement)
+    with ckpt.SigtermFlag() as sigterm:
+      try:
+        return report(pipeline, config, logdir, sigterm=sigterm, **ckpt_kw)
+      except checkpointing.Preempted as e:
+        print(f"{e}; exiting with status {ckpt.EXIT_PREEMPTED}", file=sys.stderr)
+        return ckpt.EXIT_PREEMPTED
 
   runtime.run_main(run, verbose=_VERBOSE.value)
+
+
+def report(pipeline, config, logdir, **kw) -> None:
+  """Runs the selected pipeline and prints its one-line summary."""
+  if _DATA.value is None:
+    s = pipeline.run_embedded(config, logdir=logdir, **kw)
+    print(f"embedded {_ALGO.value}: mean reward {s['reward_first']:.3f} (first 10 steps) -> "
+          f"{s['reward_last']:.3f} (last 10); KL last {s['kl_last']:.3f}, max {s['kl_max']:.3f}; "
+          f"greedy accuracy {s['accuracy_before']:.3f} -> {s['accuracy_after']:.3f}; "
+          f"wall {s['wall_s']:.0f} s; logdir {logdir}")
+  else:
+    s = pipeline.run_preference(_DATA.value, config, logdir=logdir, **kw)
+    lo, hi = s["rm_ci"]
+    print(f"{_DATA.value}: reward model held-out accuracy {s['rm_accuracy']:.3f} "
+          f"(95% CI {lo:.3f}-{hi:.3f}, n={s['rm_heldout']}); {_ALGO.value} reward "
+          f"{s['reward_first']:.3f} -> {s['reward_last']:.3f}, KL last {s['kl_last']:.3f} "
+          f"max {s['kl_max']:.3f}; wall {s['wall_s']:.0f} s; logdir {logdir}")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,10 @@ statistics and the scalar heads stay f32.
 
 Layout conventions (shape letters): ``B`` batch, ``T`` query positions, ``S`` key positions or
 KV-cache slots, ``E`` hidden size, ``H`` query heads, ``K`` KV heads, ``G = H / K`` queries per KV
-head, ``D`` head dim, ``M`` MLP hidden size, ``V`` vocabulary.
+head, ``D`` head dim, ``M`` MLP hidden size, ``V`` vocabulary. Kernels are ``[in, out]``; keys and
+values share one kernel ``[E, 2, K, D]`` and gate and up one ``[E, 2, M]`` (fewer, larger matmuls;
+the fused axis of size 2 is never sharded). :mod:`rljax.models.hf_io` maps them to and from the
+Hugging Face tensors.
 """
 
 from __future__ import annotations
@@ -349,21 +352,32 @@ class LMConfig:
 
 
 class LayerCache(NamedTuple):
-  """One layer's keys and values, ``[B, K, S, D]`` in the compute dtype, slot-major per head."""
+  """One layer's keys ``k [B, K, D, S]`` and values ``v [B, K, S, D]``, in the compute dtype.
+
+  Keys are stored slot-minor so that both attention products are plain ``[., D] x [D, S]`` and
+  ``[., S] x [S, D]`` matmuls per (batch, KV head); on CPU the transposed-operand form of the
+  score product was nearly twice as slow.
+  """
 
   k: jax.Array
   v: jax.Array
 
 
 KVCache = tuple[LayerCache, ...]
-CACHE_AXES: axes.LogicalAxes = (axes.BATCH, axes.KV_HEADS, axes.LENGTH, axes.HEAD_DIM)
+K_CACHE_AXES: axes.LogicalAxes = (axes.BATCH, axes.KV_HEADS, axes.HEAD_DIM, axes.LENGTH)
+V_CACHE_AXES: axes.LogicalAxes = (axes.BATCH, axes.KV_HEADS, axes.LENGTH, axes.HEAD_DIM)
 
 
-def init_cache(config: LMConfig, batch_size: int, num_slots: int) -> KVCache:
-  """Zero KV cache with ``num_slots`` positions per sequence, one :class:`LayerCache` per layer."""
-  shape = (batch_size, config.num_kv_heads, num_slots, config.head_dim)
+def init_cache(config: LMConfig, batch_size: int, num_slots: int, dtype=None) -> KVCache:
+  """Zero KV cache with ``num_slots`` positions per sequence, one :class:`LayerCache` per layer.
+
+  ``dtype`` defaults to the model's compute dtype. An f32 cache for a bf16 model makes the
+  attention products f32 (faster than bf16 batched matmuls on CPU, twice the cache memory).
+  """
+  b, k, d = batch_size, config.num_kv_heads, config.head_dim
+  dt = config.jnp_dtype if dtype is None else jnp.dtype(dtype)
   return tuple(
-      LayerCache(jnp.zeros(shape, config.jnp_dtype), jnp.zeros(shape, config.jnp_dtype))
+      LayerCache(jnp.zeros((b, k, d, num_slots), dt), jnp.zeros((b, k, num_slots, d), dt))
       for _ in range(config.num_layers))
 
 
@@ -379,6 +393,19 @@ def positions_from_mask(mask: jax.Array) -> jax.Array:
   position 0, whatever the amount of padding.
   """
   return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+  """Positions that restart at 0 where ``segment_ids [B, T]`` changes, ``[B, T]`` int32.
+
+  ``[1, 1, 1, 2, 2, 0] -> [0, 1, 2, 0, 1, 0]`` (a packed row: two segments, then padding).
+  """
+  t = segment_ids.shape[-1]
+  idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segment_ids.shape)
+  change = jnp.concatenate([jnp.ones_like(segment_ids[..., :1], bool),
+                            segment_ids[..., 1:] != segment_ids[..., :-1]], axis=-1)
+  start = jax.lax.cummax(jnp.where(change, idx, 0), axis=segment_ids.ndim - 1)
+  return idx - start
 
 
 def last_token_index(mask: jax.Array) -> jax.Array:
@@ -508,17 +535,16 @@ class Attention(nnx.Module):
       kv = kv + self.kv_bias[...]
     q = axes.constrain(apply_rope(q, cos, sin),
                        (axes.BATCH, axes.LENGTH, axes.HEADS, axes.HEAD_DIM))
-    k = jnp.swapaxes(apply_rope(kv[:, :, 0], cos, sin), 1, 2)        # [B, K, T, D]
-    v = jnp.swapaxes(kv[:, :, 1], 1, 2)
+    k = jnp.transpose(apply_rope(kv[:, :, 0], cos, sin), (0, 2, 3, 1))  # [B, K, D, T]
+    v = jnp.swapaxes(kv[:, :, 1], 1, 2)                                   # [B, K, T, D]
     if cache is not None:
-      idx = (0, 0, cache_index, 0)
-      k = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), idx)
-      v = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), idx)
+      k = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, 0, 0, cache_index))
+      v = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, 0, cache_index, 0))
       cache = LayerCache(k, v)
-      if kv_limit is not None and kv_limit < k.shape[2]:
-        k, v = k[:, :, :kv_limit], v[:, :, :kv_limit]
-    k = axes.constrain(k, CACHE_AXES)
-    v = axes.constrain(v, CACHE_AXES)
+      if kv_limit is not None and kv_limit < v.shape[2]:
+        k, v = k[..., :kv_limit], v[:, :, :kv_limit]
+    k = axes.constrain(k, K_CACHE_AXES)
+    v = axes.constrain(v, V_CACHE_AXES)
 
     # Dot operands and results are kept in the order XLA's batched matmul produces
     # ([batch dims, lhs free, rhs free]), with the slot axis S minor, so no large transposes
@@ -526,10 +552,10 @@ class Attention(nnx.Module):
     q = q * jnp.asarray(self.head_dim ** -0.5, q.dtype)
     qg = q.reshape(b, t, self.num_kv_heads, self.num_groups, self.head_dim)
     qg = jnp.swapaxes(qg, 1, 2)                                      # [B, K, T, G, D]
-    scores = jnp.einsum("BKTGD,BKSD->BKTGS", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("BKTGD,BKDS->BKTGS", qg, k, preferred_element_type=jnp.float32)
     scores = jnp.where(mask[:, None, :, None, :], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = _dot("BKTGS,BKSD->BKTGD", probs, v)
+    out = _dot("BKTGS,BKSD->BKTGD", probs, v).astype(x.dtype)
     out = jnp.swapaxes(out, 1, 2).reshape(b, t, -1)                 # [B, T, H*D]
     o_kernel = self.o_kernel[...]
     y = _dot("BTF,FE->BTE", out, o_kernel.reshape(-1, o_kernel.shape[-1]))
@@ -635,6 +661,7 @@ class DecoderLM(nnx.Module):
       positions: jax.Array | None = None,
       cache: KVCache | None = None,
       cache_index: jax.Array | int = 0,
+      segment_ids: jax.Array | None = None,
   ) -> tuple[jax.Array, KVCache | None]:
     """Final-normalised hidden states ``[B, T, E]`` (compute dtype) and the updated cache.
 
@@ -647,23 +674,32 @@ class DecoderLM(nnx.Module):
       cache: a :data:`KVCache` from :func:`init_cache`; keys/values of ``tokens`` are written at
         slots ``cache_index ..`` and queries attend causally over all slots.
       cache_index: scalar slot of ``tokens[:, 0]`` in the cache.
+      segment_ids: ``[B, T]`` int, packed rows (no cache only): a query sees only keys of its own
+        segment, so the mask is block-diagonal causal; default positions restart at 0 at each
+        segment start (a change of id). Padding keeps ``attention_mask = 0``.
 
     Raises:
-      ValueError: if ``positions`` is missing in cache mode, or the cache has the wrong depth.
+      ValueError: if ``positions`` is missing in cache mode, the cache has the wrong depth, or
+        ``segment_ids`` is given with a cache.
     """
     b, t = tokens.shape
     kv_limit = None
     if cache is None:
       key_mask = jnp.ones((b, t), bool) if attention_mask is None else attention_mask
       if positions is None:
-        positions = positions_from_mask(key_mask)
+        positions = (positions_from_mask(key_mask) if segment_ids is None
+                     else segment_positions(segment_ids))
       mask = attention_mask_for(key_mask, t)
+      if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    elif segment_ids is not None:
+      raise ValueError("hidden_states: segment_ids are not supported with a cache")
     else:
       if positions is None:
         raise ValueError("hidden_states: positions are required when decoding with a cache")
       if len(cache) != len(self.layers):
         raise ValueError(f"cache has {len(cache)} layers, model has {len(self.layers)}")
-      s = cache[0].k.shape[2]
+      s = cache[0].v.shape[2]
       key_mask = jnp.ones((b, s), bool) if attention_mask is None else attention_mask
       if isinstance(cache_index, int):
         # Static offset (prefill): slots after the last query are invisible, skip them.
@@ -702,9 +738,11 @@ class DecoderLM(nnx.Module):
     return self.reward_head(last)
 
   def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None,
-               positions: jax.Array | None = None) -> jax.Array:
-    """Full forward without a cache: logits ``[B, T, V]`` f32."""
-    hidden, _ = self.hidden_states(tokens, attention_mask=attention_mask, positions=positions)
+               positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+               ) -> jax.Array:
+    """Full forward without a cache: logits ``[B, T, V]`` f32 (``segment_ids``: packed rows)."""
+    hidden, _ = self.hidden_states(tokens, attention_mask=attention_mask, positions=positions,
+                                   segment_ids=segment_ids)
     return self.logits(hidden)
 
 

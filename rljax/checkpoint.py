@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
+import threading
 from typing import Any, Callable
 
 import jax
@@ -22,6 +24,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 CONFIG_FILE = "config.json"
+
+# Exit status of a run stopped by SIGTERM (SLURM preemption) after checkpointing:
+# EX_TEMPFAIL from sysexits.h, "try again later". Shared by the control and RLHF scripts.
+EXIT_PREEMPTED = 75
 
 
 def checkpoint_dir(logdir: str) -> str:
@@ -111,6 +117,7 @@ def restore(
     ``(step, policy, train_state)`` or ``None``.
   """
   abstract = lambda t: jax.tree.map(ocp.utils.to_shape_dtype_struct, t)
+  skipped = []
   for step in sorted(manager.all_steps(), reverse=True):
     try:
       out = manager.restore(
@@ -122,10 +129,29 @@ def restore(
       )
     except Exception as e:  # orbax raises many types for unreadable data
       log(f"checkpoint {step} in {manager.directory} is unreadable, skipping it: "
-          f"{type(e).__name__}: {str(e)[:300]}")
+          f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+      skipped.append(step)
       continue
+    _set_aside(manager, skipped, log)
     return step, out.policy, out.train_state
   return None
+
+
+def _set_aside(manager: ocp.CheckpointManager, steps: list[int], log: Callable[[str], None]
+               ) -> None:
+  """Renames unreadable step folders to ``<step>.unreadable`` (kept for inspection, ignored
+  by orbax), so that the resumed run can write those steps again."""
+  for step in steps:
+    path = os.path.join(str(manager.directory), str(step))
+    if os.path.isdir(path):
+      target = path + ".unreadable"
+      n = 1
+      while os.path.exists(target):
+        target, n = f"{path}.unreadable{n}", n + 1
+      os.rename(path, target)
+      log(f"moved unreadable checkpoint {step} to {target}")
+  if steps:
+    manager.reload()
 
 
 def restore_policy(logdir: str, target: Any, step: int | None = None) -> Any:
@@ -155,3 +181,83 @@ def check_writable(logdir: str) -> None:
       pass
   except OSError as e:
     raise ValueError(f"--logdir {logdir!r} is not writable: {e.strerror or e}.") from None
+
+
+def check_same_config(logdir: str, section: str, now: dict[str, Any]) -> None:
+  """A run resumes only with the config it was started with (else it is not exact).
+
+  Compares ``now`` (JSON-able) with ``config.json[section]`` under ``<logdir>/checkpoints``;
+  a run without a saved config passes.
+
+  Raises:
+    ValueError: naming every differing field with its saved and current value.
+  """
+  try:
+    saved = read_config(logdir).get(section)
+  except FileNotFoundError:
+    return
+  if saved is None:
+    raise ValueError(f"{logdir!r} holds a run of another kind (its config.json has no "
+                     f"{section!r} section); use a new --logdir.")
+  keys = sorted(set(saved) | set(now))
+  diff = {k: (saved.get(k), now.get(k)) for k in keys if saved.get(k) != now.get(k)}
+  if diff:
+    shown = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
+    raise ValueError(
+        f"{logdir!r} holds a run with a different config ({shown}); use a new --logdir "
+        f"or the same settings to resume."
+    )
+
+
+def truncate_jsonl(path: str, last_step: int,
+                   applies: Callable[[dict[str, Any]], bool] = lambda r: True, *,
+                   in_place: bool = False) -> None:
+  """Drops records with ``step > last_step`` (they are redone after a resume).
+
+  Only records for which ``applies(record)`` is true are considered (e.g. RL records in a
+  file that also holds pre-training ones). The file is replaced atomically, or with
+  ``in_place`` rewritten in place, so that a writer already holding it open in append mode
+  keeps appending to the same file.
+  """
+  if not os.path.exists(path):
+    return
+  from rljax import metrics as metrics_lib
+
+  keep = [r for r in metrics_lib.read_jsonl(path) if not (applies(r) and r["step"] > last_step)]
+  text = "".join(json.dumps(r) + "\n" for r in keep)
+  if in_place:
+    with open(path, "r+", encoding="utf-8") as f:
+      f.write(text)
+      f.truncate()
+    return
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.write(text)
+  os.replace(tmp, path)
+
+
+class SigtermFlag:
+  """Records SIGTERM; a host loop checks ``received`` between compiled steps.
+
+  The handler only sets a flag, so it can never interrupt a checkpoint write. Installed
+  only from the main thread (``signal`` allows no other); elsewhere it never fires.
+  Use as a context manager; the previous handler is restored on exit.
+  """
+
+  def __init__(self):
+    self.received = False
+    self._previous = None
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self.received = True
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+      self._previous = None

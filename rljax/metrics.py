@@ -4,7 +4,8 @@
 
 * ``<logdir>/metrics.jsonl``: one JSON object per log step (``{"step": ..., ...}``);
 * TensorBoard event files in ``<logdir>`` (tensorboardX);
-* a ``tqdm`` progress bar with rate and ETA on the console.
+* a ``tqdm`` progress bar with rate and ETA on the console;
+* optionally a Weights & Biases run (`init_wandb`: offline, in ``<logdir>/wandb``).
 
 ``plot_learning_curve`` turns the JSONL into ``learning_curve.png`` with matplotlib.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -32,6 +34,11 @@ class MetricsWriter:
     unit: the progress bar's unit (``"steps"``).
     console_keys: metrics shown beside the bar.
     tensorboard: write TensorBoard event files.
+    wandb: a Weights & Biases run to mirror every record to (``run.log(record)``, the
+      record's ``"step"`` included as a metric, so several writers of one run, e.g.
+      pre-training then SFT, may restart their step counts); ``None`` (default) uses
+      the process's active run (``wandb.run``, e.g. from `init_wandb`) if there is one;
+      ``False`` never logs to W&B.
 
   Raises:
     OSError: if ``logdir`` cannot be created or written.
@@ -45,6 +52,7 @@ class MetricsWriter:
       unit: str = "steps",
       console_keys: Sequence[str] = (),
       tensorboard: bool = True,
+      wandb: Any = None,
   ):
     os.makedirs(logdir, exist_ok=True)
     self.logdir = logdir
@@ -60,6 +68,7 @@ class MetricsWriter:
       from tqdm.auto import tqdm
 
       self._bar = tqdm(total=total, unit=unit, unit_scale=True, dynamic_ncols=True)
+    self._wandb = active_wandb_run() if wandb is None else (wandb or None)
     self._console_keys = tuple(console_keys)
     self._progress = 0
 
@@ -75,6 +84,8 @@ class MetricsWriter:
       for k, v in record.items():
         if k != "step" and isinstance(v, float):
           self._tb.add_scalar(k, v, global_step=int(step))
+    if self._wandb is not None:
+      self._wandb.log({k: (float(v) if isinstance(v, str) else v) for k, v in record.items()})
     if self._bar is not None:
       if progress is not None and progress > self._progress:
         self._bar.update(progress - self._progress)
@@ -97,6 +108,48 @@ class MetricsWriter:
     self.close()
 
 
+def active_wandb_run():
+  """The process's active ``wandb`` run, or ``None`` (also when wandb was never imported)."""
+  wandb = sys.modules.get("wandb")
+  return getattr(wandb, "run", None) if wandb is not None else None
+
+
+def init_wandb(logdir: str, config: Mapping[str, Any] | None = None, *,
+               project: str = "rljax", name: str | None = None):
+  """Starts an offline Weights & Biases run in ``<logdir>/wandb/offline-run-*``.
+
+  Nothing is sent over the network; ``wandb sync <logdir>/wandb/offline-run-*`` uploads
+  the run later. Console capture and system-metrics sampling are off (they would wrap
+  the progress bar and take CPU from training). `MetricsWriter` s created afterwards
+  mirror their records to this run; call ``run.finish()`` at the end (`rljax.run_info.start_run`
+  does so at exit).
+
+  Args:
+    logdir: the run's directory (created if missing).
+    config: the run's settings (JSON-ready values), shown as the W&B run's config.
+    project: W&B project name.
+    name: run name; default the basename of ``logdir``.
+
+  Returns:
+    The ``wandb`` run object.
+
+  Raises:
+    ValueError: the ``wandb`` package is not installed (``pip install 'rljax[wandb]'``).
+  """
+  try:
+    import wandb
+  except ImportError:
+    raise ValueError(
+        "--wandb needs the wandb package: pip install 'rljax[wandb]' (or pip install wandb)."
+    ) from None
+  os.makedirs(logdir, exist_ok=True)
+  return wandb.init(
+      mode="offline", dir=logdir, project=project,
+      name=name or os.path.basename(os.path.normpath(logdir)), config=dict(config or {}),
+      settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
+  )
+
+
 def read_jsonl(path: str) -> list[dict[str, Any]]:
   """Reads a ``metrics.jsonl`` file into a list of dicts."""
   with open(path, encoding="utf-8") as f:
@@ -116,13 +169,13 @@ def plot_learning_curve(
   Raises:
     ValueError: if no record holds both ``x`` and any of ``y``.
   """
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  # The object-oriented API, not pyplot: no global backend switch (a notebook keeps its
+  # inline backend) and no figure registry to leak.
+  from matplotlib.figure import Figure
 
   records = read_jsonl(jsonl_path)
-  fig, ax = plt.subplots(figsize=(6, 4))
+  fig = Figure(figsize=(6, 4))
+  ax = fig.subplots()
   plotted = False
   for key in y:
     pts = [(r[x], r[key]) for r in records if x in r and isinstance(r.get(key), (int, float))]
@@ -131,7 +184,6 @@ def plot_learning_curve(
       ax.plot(xs, ys, marker="o", label=key)
       plotted = True
   if not plotted:
-    plt.close(fig)
     raise ValueError(f"{jsonl_path} has no records with {x!r} and any of {list(y)}.")
   ax.set_xlabel(x)
   ax.set_ylabel(", ".join(y))
@@ -141,5 +193,4 @@ def plot_learning_curve(
     ax.set_title(title)
   fig.tight_layout()
   fig.savefig(out_path, dpi=100)
-  plt.close(fig)
   return out_path

@@ -20,17 +20,30 @@ How :func:`initialize` decides:
 ``heartbeat_timeout_s`` (flag ``--heartbeat_timeout_s``; JAX's default is 100 s): when a process
 dies, the coordination service notices its missing heartbeats after about this long and every
 other process is terminated by JAX with an error naming the lost task (``/job:jax_worker/task:<id>``).
-Use ~10 s in tests and on preemptible clusters.
+Use ~10 s in tests and on preemptible clusters. With it set, :func:`initialize` also starts an
+rljax watchdog (:func:`start_watchdog`) that notices first (after half the timeout) and exits with
+:data:`EXIT_LOST_PROCESS` and one line naming the lost process::
+
+    rljax.sharding.distributed: lost process 1 of 2 (no heartbeat for 2.6 s; timeout 2.5 s); ...
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
+import sys
+import threading
+import time
 
 import jax
 
 _FLAGS: dict = {}
+
+# Exit status of a process whose peer was lost (EX_SOFTWARE from sysexits.h).
+EXIT_LOST_PROCESS = 70
+_HEARTBEAT_DIR = "rljax/heartbeat/"
+_DONE_DIR = "rljax/done/"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -99,11 +112,106 @@ def initialize(config: DistributedConfig | None = None) -> bool:
     jax.distributed.initialize(
         coordinator_address=config.coordinator_address, num_processes=config.num_processes,
         process_id=config.process_id, **kwargs)
-    return True
-  if under_slurm():
+  elif under_slurm():
     jax.distributed.initialize(**kwargs)  # JAX detects SLURM itself
-    return True
-  return False
+  else:
+    return False
+  if config.heartbeat_timeout_s is not None:
+    start_watchdog(timeout_s=max(1.0, config.heartbeat_timeout_s / 2))
+  return True
+
+
+def start_watchdog(*, timeout_s: float, interval_s: float | None = None,
+                   exit_fn=os._exit) -> threading.Thread:
+  """Starts a daemon thread that exits this process when a peer process is lost.
+
+  Every ``interval_s`` (default ``min(1, timeout_s / 4)``) each process bumps its own counter in
+  the coordination service's key-value store and reads the others'. A process whose counter has
+  not changed for ``timeout_s`` seconds (measured on this process's clock, so hosts' clocks need
+  not agree), or an unreachable coordinator (process 0), counts as lost unless it exited normally
+  (an ``atexit`` hook marks that; before it does, it waits up to ``timeout_s`` for every peer to
+  beat once more, so a peer whose death ended this process's main thread through a failed
+  collective is still named). Then one line naming the lost process ids is written to stderr
+  and ``exit_fn(EXIT_LOST_PROCESS)`` is called (``os._exit``: the collectives in flight would
+  otherwise wait on the dead peer until JAX's own heartbeat timeout).
+
+  Call after ``jax.distributed.initialize``; :func:`initialize` does when
+  ``heartbeat_timeout_s`` is set.
+
+  Raises:
+    RuntimeError: if ``jax.distributed`` is not initialized.
+    ValueError: ``timeout_s`` or ``interval_s`` not > 0.
+  """
+  from jax._src import distributed as jax_distributed
+
+  state = jax_distributed.global_state
+  client = state.client
+  if client is None:
+    raise RuntimeError("start_watchdog: call jax.distributed.initialize() first")
+  if not timeout_s > 0 or (interval_s is not None and not interval_s > 0):
+    raise ValueError(f"timeout_s and interval_s must be > 0, got {timeout_s}, {interval_s}")
+  interval_s = interval_s or min(1.0, timeout_s / 4)
+  pid, n = int(state.process_id), int(state.num_processes)
+  stop = threading.Event()
+  seen = {j: (None, time.monotonic()) for j in range(n) if j != pid}  # counter, since when
+  done: dict[int, str] = {}
+
+  def lost(ids, why):
+    print(f"rljax.sharding.distributed: lost process {', '.join(map(str, ids))} of {n} ({why}); "
+          f"process {pid} exits with status {EXIT_LOST_PROCESS}", file=sys.stderr, flush=True)
+    exit_fn(EXIT_LOST_PROCESS)
+
+  def ids_of(entries):
+    return {int(k.rstrip("/").rsplit("/", 1)[-1]): v for k, v in entries}
+
+  def loop():
+    count = 0
+    while not stop.wait(interval_s):
+      count += 1
+      try:
+        client.key_value_set(f"{_HEARTBEAT_DIR}{pid}", str(count), allow_overwrite=True)
+        beats = ids_of(client.key_value_dir_get(_HEARTBEAT_DIR))
+        done.update(ids_of(client.key_value_dir_get(_DONE_DIR)))
+      except Exception as e:
+        if stop.is_set():
+          return
+        if pid != 0:
+          lost([0], f"the coordinator is unreachable: {type(e).__name__}: {str(e)[:200]}")
+          return
+        continue
+      now = time.monotonic()
+      silent = []
+      for j, (value, since) in list(seen.items()):
+        if beats.get(j) != value:
+          seen[j] = (beats.get(j), now)
+        elif j not in done and now - since > timeout_s:
+          silent.append((j, now - since))
+      if silent and not stop.is_set():
+        lost([j for j, _ in silent],
+             f"no heartbeat for {max(t for _, t in silent):.1f} s; timeout {timeout_s:g} s")
+        return
+
+  def at_exit():
+    # A dead peer often shows first as a failed collective that ends the main thread; JAX's
+    # shutdown barrier would then wait for its own heartbeat timeout and abort without naming
+    # it. So before exiting, wait until every peer has beaten once more or exited normally;
+    # the loop names a silent one meanwhile (and exits this process).
+    start = {j: v for j, (v, _) in seen.items()}
+    deadline = time.monotonic() + timeout_s + 3 * interval_s
+    while time.monotonic() < deadline and thread.is_alive():
+      if all(j in done or seen[j][0] != start[j] for j in start):
+        break
+      time.sleep(interval_s / 2)
+    stop.set()
+    try:
+      client.key_value_set(f"{_DONE_DIR}{pid}", "1", allow_overwrite=True)
+    except Exception:  # pragma: no cover - the coordinator is already gone
+      pass
+
+  thread = threading.Thread(target=loop, name="rljax-distributed-watchdog", daemon=True)
+  thread.start()
+  atexit.register(at_exit)  # runs before JAX's own atexit shutdown (registered earlier)
+  return thread
 
 
 def define_flags() -> None:

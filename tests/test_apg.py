@@ -128,7 +128,8 @@ def test_gradient_through_env_step_matches_finite_differences():
     basis = jnp.eye(actions.size, dtype=actions.dtype).reshape((-1,) + actions.shape)
     values = jax.vmap(f, in_axes=(0, None))(
         jnp.concatenate([actions + eps * basis, actions - eps * basis]), state0)
-    return jax.grad(f)(actions, state0), (values[: actions.size] - values[actions.size:]) / (2 * eps)
+    central = (values[: actions.size] - values[actions.size:]) / (2 * eps)
+    return jax.grad(f)(actions, state0), central
 
   with jax.enable_x64(True):
     env, state64, actions = problem()
@@ -176,6 +177,8 @@ def test_train_apg_writes_metrics_and_a_loadable_policy(tmp_path):
                                       result.state.obs_stats, obs)
   assert float(jnp.std(expected)) > 0
   np.testing.assert_allclose(policy(obs), expected, rtol=1e-6, atol=1e-7)
+  with pytest.raises(ValueError, match="already holds checkpoints \\(step 2\\); APG runs do not resume"):
+    apg.train_apg(config, logdir, progress=False)
 
 
 def test_masked_env_gradients_drops_only_nonfinite_envs():

@@ -136,3 +136,33 @@ def test_cartpole_balance_learns():
   first, last = result.history[0]["eval/episode_reward"], result.history[-1]["eval/episode_reward"]
   assert first < 400
   assert last >= 500, [h["eval/episode_reward"] for h in result.history]
+
+
+def test_bootstrap_values_skip_the_second_value_pass_only_when_exact():
+  """``V(s'_t)``: the cheap branch (``values[:, t+1]``) equals the full pass on ``final_obs``.
+
+  CartpoleBalance never terminates and episodes here last 50 steps, so in an 8-step unroll
+  from reset ``final_obs[:, t] == obs[:, t + 1]``: both branches must agree. A truncation
+  before the last step must switch to the full pass, whose value at that step is
+  ``V(final_obs)``, not the value of the reset state that follows it.
+  """
+  t, params = trainer.make_trainer(ControlConfig(**TINY))
+  ts, env_state = t.init(params)
+  ts = ts._replace(obs_stats=running_stats.update(ts.obs_stats, env_state.obs))
+  _, data = jax.jit(t._unroll)(ts, env_state, jax.random.PRNGKey(3))
+  data = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), data)  # [B, T, ...]
+  np.testing.assert_array_equal(data["final_obs"][:, :-1], data["obs"][:, 1:])
+  obs_n = running_stats.normalize(ts.obs_stats, data["obs"])
+  values = trainer.value_apply(t.networks, ts.params, obs_n)
+  full = trainer.value_apply(
+      t.networks, ts.params, running_stats.normalize(ts.obs_stats, data["final_obs"]))
+  boot = jax.jit(t._bootstrap_values)(ts.params, ts.obs_stats, data, values)
+  np.testing.assert_allclose(boot, full, rtol=1e-6, atol=1e-6)
+  # A truncation at step 2 whose pre-reset observation differs from the next obs.
+  moved = data["final_obs"].at[:, 2].add(1.0)
+  truncated = dict(data, final_obs=moved, truncation=data["truncation"].at[:, 2].set(True))
+  boot = jax.jit(t._bootstrap_values)(ts.params, ts.obs_stats, truncated, values)
+  expected = trainer.value_apply(
+      t.networks, ts.params, running_stats.normalize(ts.obs_stats, moved))
+  np.testing.assert_allclose(boot, expected, rtol=1e-6, atol=1e-6)
+  assert not np.allclose(boot[:, 2], values[:, 3])

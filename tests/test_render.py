@@ -74,8 +74,8 @@ def test_rollout_freezes_after_done_and_checks_camera(tmp_path):
   env = envs.make("brax/inverted_pendulum")
   push = lambda obs: jnp.ones(obs.shape[:-1] + (1,))
   # Pushing the cart hard one way topples the pole (|angle| > 0.2): done before 40 steps.
-  rollout = render.make_rollout_fn(env, push, num_envs=1, num_steps=40)
-  fields, dones, rewards = rollout(jax.random.PRNGKey(0))
+  rollout = render.make_rollout_fn(env, lambda _, obs: push(obs), num_envs=1, num_steps=40)
+  fields, dones, rewards = rollout((), jax.random.PRNGKey(0))
   assert fields["q"].shape == (41, 1, 2) and dones.shape == (41, 1) and rewards.shape == (40, 1)
   length = int(np.argmax(dones[:, 0]))
   assert 1 <= length < 40 and bool(dones[-1, 0])
@@ -90,6 +90,20 @@ def test_rollout_freezes_after_done_and_checks_camera(tmp_path):
     render.render_rollout(env, push, str(tmp_path / "x.gif"), camera="top")
   with pytest.raises(ValueError, match="MP4 needs even height and width, got 33x32"):
     render.render_rollout(env, push, str(tmp_path / "x.mp4"), height=33, width=32)
+
+
+def test_eval_video_compiles_once_for_changing_params(tmp_path):
+  """What the trainer calls after each evaluation: new parameters, no recompilation."""
+  env = envs.make("brax/inverted_pendulum")
+  video = render.EvalVideo(env, lambda w, obs: jnp.tanh(obs @ w), episode_length=10,
+                           height=16, width=16, formats=("gif",))
+  a = video(jnp.full((4, 1), 0.5), str(tmp_path / "a"))
+  b = video(jnp.full((4, 1), -0.5), str(tmp_path / "b"))
+  assert video.rollout._cache_size() == 1
+  assert a.paths == (str(tmp_path / "a.gif"),) and os.path.exists(b.paths[0])
+  frames_a, frames_b = _gif_frames(a.paths[0]), _gif_frames(b.paths[0])
+  assert frames_a.shape[1:] == (16, 16, 3)
+  assert not np.array_equal(frames_a[-1], frames_b[-1])  # pushed the other way
 
 
 def test_script_rejects_missing_logdir(tmp_path):

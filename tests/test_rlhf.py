@@ -82,6 +82,27 @@ def test_grpo_beta0_pg_loss_is_minus_mean_normalised_advantage():
   assert rec["vf_loss"] == 0.0  # no critic
 
 
+def test_beta0_skips_the_reference_pass_without_changing_the_update():
+  """beta = 0 with a fixed controller: no reference forward (as TRL at beta = 0), same update.
+
+  An adaptive controller started at beta = 0 stays at 0 (its update is multiplicative), but
+  it keeps the reference pass and the KL metrics: the two runs must give bitwise-equal actors.
+  """
+  kw = dict(algo="grpo", group_size=4, prompts_per_step=4, kl_coef=0.0,
+            ppo=ppo.PPOConfig(num_epochs=1, num_minibatches=2))
+  skip = _trainer(**kw)
+  keep = _trainer(adaptive_kl=True, **kw)
+  assert not skip.config.uses_reference and keep.config.uses_reference
+  def no_reference(*args):
+    raise AssertionError("the reference model ran at beta = 0")
+
+  skip._ref_fn = no_reference
+  rec_skip, rec_keep = skip.step(), keep.step()
+  assert "kl" not in rec_skip and "kl" in rec_keep and rec_keep["kl_coef"] == 0.0
+  for a, b in zip(jax.tree.leaves(skip.actor_params()), jax.tree.leaves(keep.actor_params())):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_kl_in_loss_is_zero_at_the_reference():
   # A reward that differs within groups (sum of token ids), so the policy moves.
   by_length = lambda smp: np.asarray([sum(ids) for ids in smp.response_ids], np.float32)

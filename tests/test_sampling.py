@@ -273,7 +273,7 @@ def test_decode_donates_the_cache(models):
   state = sampler._prefill(sampler.params, tokens, mask, 1, jax.random.key(0))
   out = sampler._decode(sampler.params, state)
   assert state.cache[0].k.is_deleted() and state.tokens.is_deleted()  # reused in place
-  assert out.cache[0].k.shape == (4, model.config.num_kv_heads, 16 + 8, model.config.head_dim)
+  assert out.cache[0].v.shape == (4, model.config.num_kv_heads, 16 + 8, model.config.head_dim)
 
 
 def test_bucket_and_left_pad_helpers():
@@ -293,17 +293,22 @@ def test_config_validation():
     sampling.SamplingConfig(max_new_tokens=1, top_p=0.0)
   with pytest.raises(ValueError, match="temperature"):
     sampling.SamplingConfig(max_new_tokens=1, temperature=-1.0)
+  with pytest.raises(ValueError, match="cache_dtype"):
+    sampling.SamplingConfig(max_new_tokens=1, cache_dtype="float16")
   with pytest.raises(ValueError, match="prompt_buckets"):
     sampling.SamplingConfig(max_new_tokens=1, prompt_buckets=(8, 4))
 
 
 def test_bf16_sampling_copy_of_f32_model(models):
   _, model = models["qwen2_tied"]
-  config = _config(dtype="bfloat16")
+  config = _config(dtype="bfloat16", cache_dtype="float32")
   sampler = sampling.Sampler(model, config)
   assert sampler.params["layers"][0]["attn"]["q_kernel"].get_value().dtype == jnp.bfloat16
   assert sampler.params["value_head"]["kernel"].get_value().dtype == jnp.float32
   assert model.layers[0].attn.q_kernel[...].dtype == jnp.float32  # the model is untouched
+  tokens, mask = sampling.left_pad(_prompts([3]), 16, 4, PAD)
+  state = sampler._prefill(sampler.params, tokens, mask, 1, jax.random.key(0))
+  assert state.cache[0].k.dtype == jnp.float32 and state.cache[0].v.dtype == jnp.float32
   out = sampler.generate(_prompts([5, 3], seed=9), seed=1)
   # The bf16 sampler's log-probs agree with an f32 re-scoring to bf16 precision.
   np.testing.assert_allclose(out.log_probs_t1, _rescore(model, out, 1.0), atol=0.05)

@@ -28,7 +28,7 @@ from flax import nnx
 from rljax import kl as kl_lib
 from rljax import ppo
 from rljax.alignment import reward_model as rm_lib
-from rljax.alignment import rlhf, sft
+from rljax.alignment import modeling, rlhf, sft
 from rljax.envs.text import arithmetic
 from rljax.envs.text import data as text_data
 from rljax.models.llm import DecoderLM, LMConfig
@@ -45,7 +45,8 @@ class EmbeddedConfig:
     pretrain_steps, sft_steps: brief pre-training on full lines, SFT on answers.
     pretrain_lr, sft_lr: their learning rates.
     batch_size: pre-training/SFT batch.
-    num_eval_prompts: held-out problems for greedy accuracy.
+    num_eval_prompts: held-out problems for greedy accuracy (0: no accuracy evaluation;
+      the summary's accuracies are then NaN).
     rl: the RL configuration (its ``algo`` is the script's ``--algo``).
     seed: model init and data seed.
   """
@@ -66,9 +67,11 @@ class EmbeddedConfig:
 
   def __post_init__(self):
     for name in ("max_operand", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                 "batch_size", "num_eval_prompts"):
+                 "batch_size"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+    if self.num_eval_prompts < 0:
+      raise ValueError(f"num_eval_prompts must be >= 0, got {self.num_eval_prompts}.")
     if self.pretrain_steps < 0 or self.sft_steps < 0:
       raise ValueError("pretrain_steps and sft_steps must be >= 0.")
 
@@ -96,7 +99,10 @@ def tiny_lm_config(vocab_size: int, *, hidden_size: int = 64, num_layers: int = 
 
 
 def greedy_accuracy(model, tokenizer, prompt_texts, *, max_new_tokens: int) -> float:
-  """Fraction of ``prompt_texts`` whose greedy answer is exactly right (addition task)."""
+  """Fraction of ``prompt_texts`` whose greedy answer is exactly right (addition task); NaN
+  for no prompts."""
+  if not prompt_texts:
+    return float("nan")
   sampler = Sampler(model, SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0,
                                           eos_token_ids=(tokenizer.eos_token_id,),
                                           pad_token_id=tokenizer.pad_token_id))
@@ -116,14 +122,38 @@ def _writer(logdir, total=None):
 
 
 def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress: bool = False,
-                 log=print, stop_after: str = "rl") -> dict[str, Any]:
+                 log=print, stop_after: str = "rl", checkpoint_every: int = 10,
+                 keep_checkpoints: int = 3, resume: bool = True,
+                 sigterm=None, placement=None) -> dict[str, Any]:
   """Pre-train -> SFT -> RL on the addition task; returns a summary dict.
 
   Summary keys: ``accuracy_before``/``accuracy_after`` (greedy exact match on held-out
   problems), ``history`` (RL metrics per step), ``reward_first``/``reward_last`` (mean reward
-  over the first/last 10 steps), ``kl_max``, ``wall_s`` and per-phase wall times.
+  over the first/last 10 steps), ``kl_max``, ``wall_s`` and per-phase wall times,
+  ``resumed_from`` (the RL step a resumed run restarted after, else None).
+
+  With a ``logdir`` the RL stage checkpoints every ``checkpoint_every`` steps (keeping
+  ``keep_checkpoints``) and, with ``resume``, continues a run found there: the SFT model
+  (the frozen reference and the actor's start) is loaded from ``<logdir>/frozen`` instead of
+  being trained again (:mod:`rljax.alignment.checkpointing`). ``sigterm``: an installed
+  :class:`rljax.checkpoint.SigtermFlag` (see ``checkpointing.train``). ``placement``: from
+  :func:`make_placement`; pre-training and SFT run in the actor's training layout, RL with every
+  role placed (batches checked against the data axes first, :func:`check_placement`).
+
+  Raises:
+    ValueError: ``logdir`` holds a run with another config (or any run, without ``resume``);
+      raised before anything compiles.
+    rljax.alignment.checkpointing.Preempted: SIGTERM; the RL state is checkpointed.
   """
+  from rljax.alignment import checkpointing
+
+  check_placement(placement, rl=config.rl if stop_after == "rl" else None,
+                  batch_sizes={"batch_size": config.batch_size})
+  layout = train_layout(placement)
   t0 = time.perf_counter()
+  use_ckpt = logdir is not None and stop_after == "rl"
+  resuming = use_ckpt and checkpointing.prepare(
+      logdir, "rlhf_embedded", checkpointing.config_to_json(config), resume=resume)
   tok = arithmetic.CharTokenizer()
   task = arithmetic.AdditionTask(max_operand=config.max_operand)
   model = DecoderLM(tiny_lm_config(tok.vocab_size, hidden_size=config.hidden_size,
@@ -133,26 +163,35 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
   writer = _writer(logdir)
   s = config.seed
   pre = [([tok.BOS], tok.encode(x, add_special_tokens=False) + [tok.EOS])
-         for x in task.pretraining_text(20_000, s + 1)]
-  if config.pretrain_steps:
+         for x in task.pretraining_text(20_000, s + 1)] if not resuming else []
+  if resuming:  # the SFT model, saved before the first RL step: exact, and no re-training
+    meta = checkpointing.load_frozen(logdir, {"reference": model})
+    log(f"loaded the SFT model from {checkpointing.frozen_dir(logdir)}")
+  if config.pretrain_steps and not resuming:
     model, _, h = sft.train_sft(model, pre, sft.SFTConfig(
         num_steps=config.pretrain_steps, batch_size=config.batch_size,
         learning_rate=config.pretrain_lr, log_every=max(config.pretrain_steps // 3, 1), seed=s),
-        pad_id=tok.PAD, writer=writer, prefix="pretrain/")
+        pad_id=tok.PAD, writer=writer, prefix="pretrain/", layout=layout)
     log(f"pretrain: {config.pretrain_steps} steps, loss {h[-1]['pretrain/loss']:.3f}")
   t_pre = time.perf_counter()
   examples = sft.tokenize_examples(task.sft_examples(20_000, s + 2), tok, max_prompt_len=16,
                                    max_response_len=8)
-  if config.sft_steps:
+  if config.sft_steps and not resuming:
     model, _, h = sft.train_sft(model, examples, sft.SFTConfig(
         num_steps=config.sft_steps, batch_size=config.batch_size, learning_rate=config.sft_lr,
         log_every=max(config.sft_steps // 2, 1), seed=s), pad_id=tok.PAD, writer=writer,
-        prefix="sft/")
+        prefix="sft/", layout=layout)
     log(f"sft: {config.sft_steps} steps, response loss {h[-1]['sft/loss']:.3f}")
   t_sft = time.perf_counter()
 
   eval_prompts = task.prompts(config.num_eval_prompts, s + 1000)
-  acc_before = greedy_accuracy(model, tok, eval_prompts, max_new_tokens=config.rl.max_new_tokens)
+  if resuming:
+    acc_before = float(meta["accuracy_before"])
+  else:
+    acc_before = greedy_accuracy(model, tok, eval_prompts,
+                                 max_new_tokens=config.rl.max_new_tokens)
+    if use_ckpt:
+      checkpointing.save_frozen(logdir, {"reference": model}, {"accuracy_before": acc_before})
   log(f"greedy exact-match accuracy after SFT: {acc_before:.3f}")
   if stop_after == "sft":
     if writer is not None:
@@ -163,16 +202,25 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
   train_prompts = task.prompts(5_000, s + 3)
   trainer = rlhf.RLHFTrainer(config.rl, actor=model, tokenizer=tok,
                              prompts=[tok.encode(p) for p in train_prompts],
-                             prompt_texts=train_prompts, reward_fn=arithmetic.addition_reward)
+                             prompt_texts=train_prompts, reward_fn=arithmetic.addition_reward,
+                             placement=placement)
 
   def show(rec):
     st = int(rec["step"])
     if st == 1 or st % 20 == 0 or st == config.rl.num_steps:
-      log(f"rl step {st:4d}: reward {rec['reward/mean']:.3f}  kl {rec['kl']:.3f}  "
+      log(f"rl step {st:4d}: reward {rec['reward/mean']:.3f}  kl {rec.get('kl', float('nan')):.3f}  "
           f"entropy {rec['entropy']:.3f}  len {rec['response_length/mean']:.2f}  "
           f"step {rec['timing/step']:.3f}s")
 
-  history = trainer.train(writer=writer, callback=show)
+  resumed_from = None
+  if use_ckpt:
+    history, resumed_from = checkpointing.train(
+        trainer, logdir, checkpoint_every=checkpoint_every, keep=keep_checkpoints,
+        resume=resume, writer=writer, callback=show, log=log, sigterm=sigterm)
+    if resumed_from is not None:  # the whole RL history, from before the resume too
+      history = checkpointing.rl_history(writer.jsonl_path)
+  else:
+    history = trainer.train(writer=writer, callback=show)
   t_rl = time.perf_counter()
   acc_after = greedy_accuracy(trainer.actor_model(), tok, eval_prompts,
                               max_new_tokens=config.rl.max_new_tokens)
@@ -186,9 +234,10 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
   summary = dict(
       accuracy_before=acc_before, accuracy_after=acc_after,
       reward_first=float(np.mean(rewards[:k])), reward_last=float(np.mean(rewards[-k:])),
-      kl_max=float(max(h["kl"] for h in history)), kl_last=float(history[-1]["kl"]),
+      kl_max=float(max(h.get("kl", np.nan) for h in history)),
+      kl_last=float(history[-1].get("kl", np.nan)),
       wall_s=time.perf_counter() - t0, pretrain_s=t_pre - t0, sft_s=t_sft - t_pre,
-      rl_s=t_rl - t_sft, history=history)
+      rl_s=t_rl - t_sft, history=history, resumed_from=resumed_from)
   if logdir is not None:
     with open(os.path.join(logdir, "summary.json"), "w") as f:
       json.dump({k: v for k, v in summary.items() if k != "history"}, f, indent=2)
@@ -208,9 +257,25 @@ class PreferenceConfig:
     lr, rm_lr: learning rates.
     rm_margin: Bradley-Terry margin (>= 0).
     eval_fraction: reward-model held-out fraction.
-    rl: RL configuration (prompts from the training split).
+    packing: pack pre-training/SFT examples into rows of ``2 * (max_prompt_len +
+      max_response_len)`` tokens (:func:`rljax.alignment.sft.pack_examples`) instead of
+      length buckets: padding drops from ~16% of the tokens to ~1%.
+    normalize_reward: affinely rescale the trained reward model's head so that its scores on
+      responses sampled from the SFT policy have mean 0 and std 1 (Ziegler et al. 2019,
+      arXiv:1909.08593, Sec. 2.2; OpenRLHF's ``--normalize_reward``). The raw scores' scale is
+      arbitrary (std ~2.2 here), and the KL coefficient is only meaningful relative to it.
+    reward_norm_samples: responses sampled for that normalisation.
+    rl: RL configuration (prompts from the training split). The defaults keep the KL bounded
+      on HH-RLHF: KL in the reward (k1) with an adaptive coefficient (Ziegler et al.'s
+      controller) aiming at ``kl_target`` nats per response, on normalised rewards, with a
+      lower actor learning rate than the embedded task's (see the README for before/after).
     limit: read at most this many pairs (None: all).
     seed: split/init seed.
+    overlong_prompts: ``"truncate"`` (keep a prompt's last tokens) or ``"reject"`` (raise) for
+      prompts longer than ``max_prompt_len`` or than the model's context
+      (``max_position_embeddings``) minus the response length; the count is logged.
+    tokenizer: a tokenizer folder (``tokenizer.json``) to use instead of training a BPE one;
+      the model then has ``vocab_size`` rows, which must cover the tokenizer's vocabulary.
   """
 
   vocab_size: int = 2048
@@ -229,53 +294,140 @@ class PreferenceConfig:
   rm_lr: float = 5e-4
   rm_margin: float = 0.0
   eval_fraction: float = 0.1
+  packing: bool = True
+  normalize_reward: bool = True
+  reward_norm_samples: int = 256
   rl: rlhf.RLHFConfig = dataclasses.field(default_factory=lambda: rlhf.RLHFConfig(
-      algo="ppo", num_steps=40, prompts_per_step=32, max_new_tokens=32, actor_lr=2e-4,
-      critic_lr=5e-4, kl_coef=0.05, critic_init="reward", missing_eos_penalty=0.5,
+      algo="ppo", num_steps=100, prompts_per_step=32, max_new_tokens=32, actor_lr=5e-5,
+      critic_lr=5e-4, kl_coef=0.1, adaptive_kl=True, kl_target=2.0, kl_horizon=320,
+      critic_init="reward", missing_eos_penalty=0.5,
       ppo=ppo.PPOConfig(num_epochs=1, num_minibatches=2, value_clip_eps=0.2)))
   limit: int | None = None
   seed: int = 0
+  overlong_prompts: str = "truncate"
+  tokenizer: str | None = None
+
+  def __post_init__(self):
+    if self.overlong_prompts not in ("truncate", "reject"):
+      raise ValueError(f"overlong_prompts must be 'truncate' or 'reject', got "
+                       f"{self.overlong_prompts!r}")
+    for name in ("vocab_size", "max_prompt_len", "max_response_len"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+
+
+def check_prompt_lengths(prompts: list[list[int]], *, max_prompt_len: int, context: int,
+                         response_len: int, mode: str, log=print) -> list[list[int]]:
+  """Applies the prompt budget ``min(max_prompt_len, context - response_len)`` tokens.
+
+  Longer prompts keep their last tokens (``mode="truncate"``; the count is logged) or are
+  refused (``mode="reject"``).
+
+  Raises:
+    ValueError: ``mode="reject"`` and some prompt is too long (the message gives the count,
+      the longest length and the budget), or the context leaves no room for a prompt.
+  """
+  budget = min(max_prompt_len, context - response_len)
+  if budget < 1:
+    raise ValueError(f"the model's context of {context} tokens leaves no room for a prompt "
+                     f"next to a {response_len}-token response")
+  long = [len(p) for p in prompts if len(p) > budget]
+  if not long:
+    return prompts
+  what = (f"{len(long)} of {len(prompts)} prompts are longer than {budget} tokens "
+          f"(max_prompt_len {max_prompt_len}, model context {context} - response length "
+          f"{response_len}; the longest has {max(long)})")
+  if mode == "reject":
+    raise ValueError(f"{what}; pass --overlong_prompts=truncate to keep their last {budget} "
+                     f"tokens, or raise --max_prompt_len")
+  log(f"{what}: truncated to their last {budget} tokens")
+  return [list(p)[-budget:] for p in prompts]
 
 
 def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = None,
-                   log=print, stop_after: str = "rl") -> dict[str, Any]:
+                   log=print, stop_after: str = "rl", placement=None,
+                   checkpoint_every: int = 10, keep_checkpoints: int = 3, resume: bool = True,
+                   sigterm=None) -> dict[str, Any]:
   """Tokenizer -> pre-train -> SFT (chosen) -> reward model (90/10) -> PPO; returns a summary
-  with the reward model's held-out accuracy and CI and the RL history.
+  with the reward model's held-out accuracy and CI and the RL history. ``placement``: as in
+  :func:`run_embedded`.
 
   Raises:
     FileNotFoundError / rljax.envs.text.data.DataError: for a missing or malformed file.
+    rljax.sharding.mesh.MeshError: a batch the training mesh's data axes do not divide.
+    ValueError: overlong prompts with ``overlong_prompts="reject"``; a ``tokenizer`` larger
+      than ``vocab_size``; a ``logdir`` holding another run (see :func:`run_embedded` for
+      checkpoints and resume: here the frozen roles are the SFT model and the reward model).
   """
+  from rljax.alignment import checkpointing
+
+  check_placement(placement, rl=config.rl if stop_after == "rl" else None,
+                  batch_sizes={"batch_size": config.batch_size,
+                               "2 * rm_batch_size": 2 * config.rm_batch_size})
+  use_ckpt = logdir is not None and stop_after == "rl"
+  resuming = use_ckpt and checkpointing.prepare(
+      logdir, "rlhf_preference", dict(checkpointing.config_to_json(config), data=os.path.abspath(path)),
+      resume=resume)
+  layout = train_layout(placement)
   t0 = time.perf_counter()
   pairs = text_data.load_preference_pairs(path, limit=config.limit)
   train_pairs, held_pairs = rm_lib.split_pairs(pairs, config.eval_fraction, config.seed)
   log(f"{path}: {len(pairs)} pairs ({len(train_pairs)} train / {len(held_pairs)} held out)")
   texts = [p.prompt + " " + p.chosen for p in train_pairs] + [p.rejected for p in train_pairs]
-  tok = text_data.train_bpe_tokenizer(texts, vocab_size=config.vocab_size)
-  if logdir is not None:
+  from rljax.models.tokenizer import load_tokenizer
+
+  if resuming:  # the tokenizer the interrupted run trained (and saved)
+    tok = load_tokenizer(os.path.join(logdir, "tokenizer"))
+  elif config.tokenizer is not None:
+    tok = load_tokenizer(config.tokenizer)
+  else:
+    tok = text_data.train_bpe_tokenizer(texts, vocab_size=config.vocab_size)
+  model_vocab = config.vocab_size if config.tokenizer is not None else tok.vocab_size
+  if tok.vocab_size > model_vocab:
+    raise ValueError(f"the tokenizer {config.tokenizer!r} has a vocabulary of {tok.vocab_size} "
+                     f"tokens, more than the model's vocab_size {model_vocab}; raise "
+                     f"--vocab_size to at least {tok.vocab_size}")
+  lm_config = tiny_lm_config(model_vocab, hidden_size=config.hidden_size,
+                             num_layers=config.num_layers, num_heads=config.num_heads,
+                             num_kv_heads=config.num_kv_heads, eos=tok.eos_token_id,
+                             pad=tok.pad_token_id, bos=tok.bos_token_id)
+  prompts = check_prompt_lengths(
+      [text_data.encode_prompt(tok, p.prompt, p.messages) for p in train_pairs],
+      max_prompt_len=config.max_prompt_len, context=lm_config.max_position_embeddings,
+      response_len=max(config.max_response_len, config.rl.max_new_tokens),
+      mode=config.overlong_prompts, log=log)
+  if logdir is not None and not resuming:
     text_data.save_tokenizer(tok, os.path.join(logdir, "tokenizer"))
-  model = DecoderLM(tiny_lm_config(tok.vocab_size, hidden_size=config.hidden_size,
-                                   num_layers=config.num_layers, num_heads=config.num_heads,
-                                   num_kv_heads=config.num_kv_heads, eos=tok.eos_token_id,
-                                   pad=tok.pad_token_id, bos=tok.bos_token_id),
-                    rngs=nnx.Rngs(config.seed))
+  model = DecoderLM(lm_config, rngs=nnx.Rngs(config.seed))
   writer = _writer(logdir)
   max_len = config.max_prompt_len + config.max_response_len
   buckets = tuple(b for b in sft.DEFAULT_LENGTH_BUCKETS if b < max_len) + (max_len,)
   sft_data = sft.tokenize_examples(text_data.sft_from_pairs(train_pairs), tok,
                                    max_prompt_len=config.max_prompt_len,
                                    max_response_len=config.max_response_len)
+  if resuming:
+    gd, st = nnx.split(model)
+    rm_model = nnx.merge(gd, jax.tree.map(jnp.copy, st))
+    meta = checkpointing.load_frozen(logdir, {"reference": model, "reward": rm_model})
+    log(f"loaded the SFT and reward models from {checkpointing.frozen_dir(logdir)}")
+    return _preference_rl(config, tok, prompts, model, rm_model, meta, logdir=logdir,
+                          writer=writer, log=log, placement=placement, t0=t0,
+                          num_pairs=len(pairs), checkpoint_every=checkpoint_every,
+                          keep_checkpoints=keep_checkpoints, resume=resume, sigterm=sigterm)
   if config.pretrain_steps:
     # Language modelling on whole (truncated) dialogues: every token is a target.
     lm_data = [([tok.bos_token_id], (list(p) + list(r))[1:]) for p, r in sft_data]
     model, _, h = sft.train_sft(model, lm_data, sft.SFTConfig(
         num_steps=config.pretrain_steps, batch_size=config.batch_size, learning_rate=config.lr,
-        length_buckets=buckets, log_every=50, seed=config.seed), pad_id=tok.pad_token_id,
-        writer=writer, prefix="pretrain/")
+        length_buckets=buckets, log_every=50, seed=config.seed, packing=config.packing,
+        pack_length=2 * max_len), pad_id=tok.pad_token_id,
+        writer=writer, prefix="pretrain/", layout=layout)
     log(f"pretrain: loss {h[-1]['pretrain/loss']:.3f}")
   model, _, h = sft.train_sft(model, sft_data, sft.SFTConfig(
       num_steps=config.sft_steps, batch_size=config.batch_size, learning_rate=config.lr / 2,
-      length_buckets=buckets, log_every=50, seed=config.seed), pad_id=tok.pad_token_id,
-      writer=writer, prefix="sft/")
+      length_buckets=buckets, log_every=50, seed=config.seed, packing=config.packing,
+      pack_length=2 * max_len), pad_id=tok.pad_token_id,
+      writer=writer, prefix="sft/", layout=layout)
   log(f"sft: response loss {h[-1]['sft/loss']:.3f}")
   t_sft = time.perf_counter()
   if stop_after == "sft":
@@ -293,7 +445,7 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
       num_steps=config.rm_steps, batch_size=config.rm_batch_size, learning_rate=config.rm_lr,
       margin=config.rm_margin,
       length_buckets=buckets, log_every=50, seed=config.seed), pad_id=tok.pad_token_id,
-      eval_pairs=ho, writer=writer)
+      eval_pairs=ho, writer=writer, layout=layout)
   ev = h[-1]
   log(f"reward model: held-out accuracy {ev['rm/eval_accuracy']:.3f} "
       f"(95% CI {ev['rm/eval_accuracy_ci_low']:.3f}-{ev['rm/eval_accuracy_ci_high']:.3f}, "
@@ -306,27 +458,197 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
                 rm_ci=(ev["rm/eval_accuracy_ci_low"], ev["rm/eval_accuracy_ci_high"]),
                 rm_heldout=len(ho), wall_s=t_rm - t0)
 
-  prompts = [text_data.encode_prompt(tok, p.prompt, p.messages)[-config.max_prompt_len:]
-             for p in train_pairs]
+  if config.normalize_reward:  # on SFT samples, before PPO (and before the frozen save)
+    n = min(config.reward_norm_samples, len(prompts))
+    mean, std = normalize_reward_head(rm_model, model, prompts[:n], tok,
+                                      max_new_tokens=config.rl.max_new_tokens, seed=config.seed)
+    log(f"reward model normalised on {n} SFT samples: raw score mean {mean:.3f}, std {std:.3f}")
+    if writer is not None:
+      writer.write(config.rm_steps, {"rm/norm_mean": mean, "rm/norm_std": std})
+  meta = {"rm/eval_accuracy": ev["rm/eval_accuracy"],
+          "rm/eval_accuracy_ci_low": ev["rm/eval_accuracy_ci_low"],
+          "rm/eval_accuracy_ci_high": ev["rm/eval_accuracy_ci_high"], "rm_heldout": len(ho),
+          "sft_s": t_sft - t0, "rm_s": t_rm - t_sft}
+  if use_ckpt:
+    checkpointing.save_frozen(logdir, {"reference": model, "reward": rm_model}, meta)
+  return _preference_rl(config, tok, prompts, model, rm_model, meta, logdir=logdir,
+                        writer=writer, log=log, placement=placement, t0=t0, num_pairs=len(pairs),
+                        checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
+                        resume=resume, sigterm=sigterm, use_ckpt=use_ckpt)
+
+
+def normalize_reward_head(rm_model: DecoderLM, policy: DecoderLM, prompts, tokenizer, *,
+                          max_new_tokens: int, seed: int = 0, batch_size: int = 32
+                          ) -> tuple[float, float]:
+  r"""Rescales ``rm_model``'s reward head in place so that its scores on responses sampled from
+  ``policy`` (temperature 1) have mean 0 and std 1; returns the raw ``(mean, std)``.
+
+  ``w <- w / std``, ``b <- (b - mean) / std``: the score ``h.w + b`` becomes
+  ``(score - mean) / std`` for every input, so pairwise preferences (and the held-out
+  accuracy) are unchanged. Ziegler et al. 2019 (arXiv:1909.08593), Sec. 2.2: "we normalize the
+  reward model's output so that it has mean 0 and variance 1 on x ~ D, y ~ rho(.|x)". A critic
+  initialised from this reward model inherits the scale.
+
+  Args:
+    rm_model: a ``DecoderLM`` with a trained reward head (modified in place).
+    policy: the policy to sample from (the SFT model).
+    prompts: token-id lists; responses are sampled in chunks of ``batch_size``.
+    tokenizer: gives ``eos_token_id`` and ``pad_token_id``.
+
+  Raises:
+    ValueError: no prompts, or scores with zero spread.
+  """
+  if not prompts:
+    raise ValueError("normalize_reward_head: no prompts")
+  sampler = Sampler(policy, SamplingConfig(max_new_tokens=max_new_tokens, temperature=1.0,
+                                           eos_token_ids=(tokenizer.eos_token_id,),
+                                           pad_token_id=tokenizer.pad_token_id))
+  gd, params = nnx.split(rm_model, nnx.Param)
+
+  @jax.jit
+  def score(p, pt, pm, rt, rm):
+    tokens, mask = modeling.concat(pt, pm, rt, rm)
+    return modeling.sequence_scores(gd, p, tokens, mask)
+
+  key = jax.random.key(seed + 7919)
+  scores = []
+  for s in range(0, len(prompts), batch_size):
+    key, sub = jax.random.split(key)
+    out = sampler.generate(list(prompts[s:s + batch_size]), key=sub)
+    scores.append(np.asarray(score(params, out.prompt_tokens, out.prompt_mask, out.tokens,
+                                   out.response_mask)))
+  scores = np.concatenate(scores)
+  mean, std = float(np.mean(scores)), float(np.std(scores))
+  if not std > 0:
+    raise ValueError(f"normalize_reward_head: scores have no spread (std {std})")
+  head = rm_model.reward_head
+  head.kernel[...] = head.kernel[...] / std
+  head.bias[...] = (head.bias[...] - mean) / std
+  return mean, std
+
+
+def _preference_rl(config: PreferenceConfig, tok, prompts, model, rm_model, meta, *, logdir,
+                   writer, log, placement, t0, num_pairs, checkpoint_every, keep_checkpoints,
+                   resume, sigterm, use_ckpt=True) -> dict[str, Any]:
+  """The PPO stage of :func:`run_preference` (also where a resumed run starts)."""
+  from rljax.alignment import checkpointing
+
+  t_rm = time.perf_counter()
   trainer = rlhf.RLHFTrainer(config.rl, actor=model, tokenizer=tok, prompts=prompts,
-                             reward_model=rm_model)
+                             reward_model=rm_model, placement=placement)
 
   def show(rec):
     st = int(rec["step"])
     if st == 1 or st % 10 == 0 or st == config.rl.num_steps:
-      log(f"ppo step {st:4d}: reward {rec['reward/mean']:.3f}  kl {rec['kl']:.3f}  "
+      log(f"ppo step {st:4d}: reward {rec['reward/mean']:.3f}  kl {rec.get('kl', float('nan')):.3f}  "
           f"len {rec['response_length/mean']:.1f}  step {rec['timing/step']:.2f}s")
 
-  history = trainer.train(writer=writer, callback=show)
+  resumed_from = None
+  if use_ckpt:
+    history, resumed_from = checkpointing.train(
+        trainer, logdir, checkpoint_every=checkpoint_every, keep=keep_checkpoints,
+        resume=resume, writer=writer, callback=show, log=log, sigterm=sigterm)
+    if resumed_from is not None:
+      history = checkpointing.rl_history(writer.jsonl_path)
+  else:
+    history = trainer.train(writer=writer, callback=show)
   if writer is not None:
     writer.close()
   k = min(5, len(history))
   return dict(
-      num_pairs=len(pairs), rm_accuracy=ev["rm/eval_accuracy"],
-      rm_ci=(ev["rm/eval_accuracy_ci_low"], ev["rm/eval_accuracy_ci_high"]),
-      rm_heldout=len(ho),
+      num_pairs=num_pairs, rm_accuracy=meta["rm/eval_accuracy"],
+      rm_ci=(meta["rm/eval_accuracy_ci_low"], meta["rm/eval_accuracy_ci_high"]),
+      rm_heldout=meta["rm_heldout"],
       reward_first=float(np.mean([x["reward/mean"] for x in history[:k]])),
       reward_last=float(np.mean([x["reward/mean"] for x in history[-k:]])),
-      kl_last=float(history[-1]["kl"]), kl_max=float(max(x["kl"] for x in history)),
-      wall_s=time.perf_counter() - t0, sft_s=t_sft - t0, rm_s=t_rm - t_sft,
-      rl_s=time.perf_counter() - t_rm, history=history)
+      kl_last=float(history[-1].get("kl", np.nan)),
+      kl_max=float(max(x.get("kl", np.nan) for x in history)),
+      wall_s=time.perf_counter() - t0, sft_s=meta["sft_s"], rm_s=meta["rm_s"],
+      rl_s=time.perf_counter() - t_rm, history=history, resumed_from=resumed_from)
+
+
+# ---- device placement from the scripts' --mesh / --sharding_rules / --placement flags ----------
+
+PLACEMENTS = ("colocated", "disaggregated")
+
+
+def make_placement(mesh: str | None = None, sharding_rules: str = "fsdp",
+                   placement: str = "colocated") -> "placement_lib.Placement | None":
+  """The RLHF :class:`~rljax.sharding.placement.Placement` the scripts' flags describe.
+
+  Args:
+    mesh: ``--mesh=D,F,T`` (``data,fsdp,tensor``). ``colocated``: the mesh over all devices
+      (default: all on ``data``). ``disaggregated``: the *training* mesh; the devices it leaves
+      generate, laid out on ``tensor`` (default: a quarter of the devices, at least 1, generate
+      and the rest train on ``fsdp``).
+    sharding_rules: the training preset (``fsdp``, ``fsdp_tp``, ``dp``; :mod:`rljax.sharding.rules`).
+      The actor generates in ``tp`` (tensor-parallel, no fsdp all-gathers per decoded token).
+    placement: ``colocated`` (all roles on one mesh) or ``disaggregated``.
+
+  Returns:
+    ``None`` for a colocated run on one device without ``mesh`` (the plain single-device path).
+
+  Raises:
+    ValueError: an unknown preset or placement (naming it).
+    rljax.sharding.mesh.MeshError: a mesh that does not fit the devices (naming both numbers),
+      or a disaggregated run with fewer than 2 devices or no device left for generation.
+  """
+  from rljax.sharding import mesh as mesh_lib
+  from rljax.sharding import placement as placement_lib
+  from rljax.sharding import rules as rules_lib
+
+  preset = rules_lib.as_preset(sharding_rules)
+  if placement not in PLACEMENTS:
+    raise ValueError(f"--placement must be one of {list(PLACEMENTS)}, got {placement!r}")
+  cfg = mesh_lib.parse_mesh_flag(mesh)
+  n = jax.device_count()
+  if placement == "colocated":
+    if mesh is None and n == 1:
+      return None
+    return placement_lib.Placement.colocated(mesh_lib.make_mesh(cfg), train_preset=preset)
+  if n < 2:
+    raise mesh_lib.MeshError(f"--placement=disaggregated needs >= 2 devices, got {n}")
+  if mesh is None:
+    num_generate = max(1, n // 4)
+    cfg = mesh_lib.MeshConfig(data=1, fsdp=n - num_generate)
+  elif cfg.data == -1:
+    raise mesh_lib.MeshError(
+        f"with --placement=disaggregated, --mesh is the training mesh and needs an explicit data "
+        f"size, got {mesh!r}")
+  num_train = cfg.data * cfg.fsdp * cfg.tensor
+  if num_train >= n:
+    raise mesh_lib.MeshError(
+        f"--placement=disaggregated: the training mesh data={cfg.data} x fsdp={cfg.fsdp} x "
+        f"tensor={cfg.tensor} = {num_train} devices leaves none of the {n} devices for generation")
+  return placement_lib.Placement.disaggregated_split(num_generate=n - num_train, train_mesh=cfg,
+                                                     train_preset=preset)
+
+
+def train_layout(placement) -> "layout_lib.TrainLayout | None":
+  """The SFT / reward-model layout of a placement: the actor's training mesh and preset."""
+  from rljax.alignment import layout as layout_lib
+  from rljax.sharding.placement import Role
+
+  return None if placement is None else layout_lib.TrainLayout.of(placement[Role.ACTOR])
+
+
+def check_placement(placement, *, rl: rlhf.RLHFConfig | None = None,
+                    batch_sizes: dict[str, int] | None = None) -> None:
+  """Checks, before anything compiles, that the batches split over the training data axes.
+
+  Args:
+    placement: from :func:`make_placement` (``None``: nothing to check).
+    rl: its ``prompts_per_step * group_size`` is checked.
+    batch_sizes: more ``{name: rows}`` to check (SFT batch, reward-model rows).
+
+  Raises:
+    rljax.sharding.mesh.MeshError: naming the batch, its size and the data axes' sizes.
+  """
+  layout = train_layout(placement)
+  if layout is None:
+    return
+  sizes = dict(batch_sizes or {})
+  if rl is not None:
+    sizes["prompts_per_step * group_size"] = rl.batch_size
+  for what, size in sizes.items():
+    layout.check_batch(size, what=what)

@@ -178,13 +178,17 @@ def train_reward_model(
     eval_pairs: Sequence[Pair] = (),
     writer=None,
     prefix: str = "rm/",
+    layout=None,
 ) -> tuple[nnx.Module, RewardModelState, list[dict[str, float]]]:
   """Trains the reward head and body of ``model`` with the Bradley-Terry loss.
 
   Held-out accuracy (with its CI) is logged at the end when ``eval_pairs`` are given.
+  ``layout``: an optional :class:`rljax.alignment.layout.TrainLayout` (mesh + rules preset):
+  params and optimizer state sharded by its rules, each batch's rows split over its data axes.
 
   Raises:
     ValueError: no training pairs, or a pair longer than the largest bucket.
+    rljax.sharding.mesh.MeshError: ``2 * batch_size`` rows not divisible by the data axes.
   """
   if not train_pairs:
     raise ValueError("train_reward_model: empty dataset")
@@ -196,6 +200,9 @@ def train_reward_model(
   if lengths.max() > config.length_buckets[-1]:
     raise ValueError(f"a pair has {lengths.max()} tokens > largest bucket {config.length_buckets[-1]}")
   opt_state = optimizer.init(params)
+  if layout is not None:  # rljax.alignment.layout.TrainLayout; checked before compiling
+    layout.check_batch(2 * config.batch_size, what="2 * batch_size (chosen + rejected rows)")
+    params, opt_state = layout.shard(params), layout.shard(opt_state)
   pos = text_data.init_data_position(config.seed)
   history = []
   t0 = time.perf_counter()
@@ -206,7 +213,8 @@ def train_reward_model(
                                             lengths=lengths, group_size=config.batch_size * 16)
     length = bucket_size(int(lengths[idx].max()), config.length_buckets)
     batch = make_batch([train_pairs[i] for i in idx], length, pad_id)
-    params, opt_state, metrics = step_fn(params, opt_state, batch)
+    params, opt_state, metrics = step_fn(
+        params, opt_state, batch if layout is None else layout.put_batch(batch))
     acc_loss += float(metrics["loss"])
     acc_acc += float(metrics["accuracy"])
     n_acc += 1

@@ -20,7 +20,7 @@ Hu 2025 REINFORCE++ (arXiv:2501.03262); Yu et al. 2025 DAPO (arXiv:2503.14476).
 
 Metric names follow OpenRLHF/verl: ``reward/mean``, ``reward/std``, ``score/mean``, ``kl``,
 ``entropy``, ``response_length/mean``, ``response_length/max``, ``pg_loss``, ``vf_loss``,
-``clipfrac``, ``approx_kl``, ``grad_norm``, ``kl_coef``, ``timing/{generation, reference,
+``clipfrac``, ``approx_kl``, ``grad_norm``, ``kl_coef``, ``timing/{reshard, generation, reference,
 reward, critic, update, step}``.
 """
 
@@ -44,6 +44,9 @@ from rljax.alignment import losses, modeling
 from rljax.alignment.modeling import Role
 from rljax.envs.text import data as text_data
 from rljax.sampling import Sampler, SamplingConfig
+from rljax.sharding import mesh as mesh_lib
+from rljax.sharding import placement as placement_lib
+from rljax.sharding import rules as rules_lib
 
 
 class Algorithm(enum.Enum):
@@ -97,6 +100,13 @@ class RLHFConfig:
     missing_eos_penalty: subtracted from the score of a response without a stop id (None: off).
     overlong_buffer: DAPO ``L_cache`` in tokens (0: off); ``L_max = max_new_tokens``.
     overlong_factor: scale of the overlong penalty.
+    reuse_rollout_log_probs: skip the update's separate old-log-prob forward pass and take the
+      old log-probs from the sampler (its temperature-1 log-probs, equal to the trainer's to
+      float rounding, <= 1e-5 in f32). Needs a single-pass update (``ppo.num_epochs == 1`` and
+      ``ppo.num_minibatches == 1``): the loss then uses ``old + (log pi - stop_grad(log pi))``
+      as the new log-prob, whose value is ``old`` and whose gradient is ``grad log pi``, so the
+      ratio is exactly 1, as in TRL's ``GRPOTrainer`` with ``num_iterations=1`` (old =
+      ``detach(new)``). ``logprob_drift`` is then not measured (NaN).
     seed: sampling, shuffling and minibatch seed.
   """
 
@@ -127,6 +137,7 @@ class RLHFConfig:
   missing_eos_penalty: float | None = None
   overlong_buffer: int = 0
   overlong_factor: float = 1.0
+  reuse_rollout_log_probs: bool = False
   seed: int = 0
 
   def __post_init__(self):
@@ -154,6 +165,10 @@ class RLHFConfig:
       raise ValueError(
           f"overlong_buffer must be in [0, max_new_tokens={self.max_new_tokens}], got "
           f"{self.overlong_buffer}.")
+    if self.reuse_rollout_log_probs and (self.ppo.num_epochs, self.ppo.num_minibatches) != (1, 1):
+      raise ValueError(
+          f"reuse_rollout_log_probs needs a single-pass update (ppo.num_epochs == 1 and "
+          f"ppo.num_minibatches == 1), got {self.ppo.num_epochs} x {self.ppo.num_minibatches}.")
     if self.batch_size % self.ppo.num_minibatches:
       raise ValueError(
           f"prompts_per_step * group_size = {self.batch_size} is not divisible by "
@@ -162,6 +177,11 @@ class RLHFConfig:
   @property
   def batch_size(self) -> int:
     return self.prompts_per_step * self.group_size
+
+  @property
+  def uses_reference(self) -> bool:
+    """False when ``kl_coef == 0`` with a fixed controller: no KL term, no reference pass."""
+    return self.kl_coef > 0 or self.adaptive_kl
 
   @property
   def uses_critic(self) -> bool:
@@ -199,13 +219,18 @@ def _critic_from_reward(reward_params):
   return params
 
 
-def make_update_fn(actor_graphdef, critic_graphdef, optimizer, config: RLHFConfig):
+def make_update_fn(actor_graphdef, critic_graphdef, optimizer, config: RLHFConfig, *,
+                   out_shardings=None):
   """The jitted update: ``(ppo_state, batch, key, kl_coef) -> (ppo_state, metrics, extras)``.
 
   ``batch`` holds ``prompt_tokens, prompt_mask [B, P]``, ``response_tokens, mask [B, R]``,
   ``ref_log_probs [B, R]``, ``values [B, R]`` (zeros without a critic), ``scores [B]`` and
   ``sampler_log_probs [B, R]``. ``extras`` returns the computed ``log_probs``, ``advantages``,
   ``returns`` and ``token_rewards`` for inspection. ``ppo_state`` is donated.
+
+  ``out_shardings`` (optional, ``(ppo_state shardings, metrics sharding, extras sharding)``)
+  pins the output layout on a mesh, so that a step's output state is laid out like its input
+  and the next step does not recompile.
   """
   pcfg = config.ppo
   m = pcfg.num_minibatches
@@ -214,8 +239,12 @@ def make_update_fn(actor_graphdef, critic_graphdef, optimizer, config: RLHFConfi
     return modeling.policy_outputs(actor_graphdef, params, mb["prompt_tokens"], mb["prompt_mask"],
                                    mb["response_tokens"], mb["mask"])
 
+  reuse = config.reuse_rollout_log_probs
+
   def apply_fn(params, mb):
     lp, ent = actor_apply(params["actor"], mb)
+    if reuse:  # value: the rollout's log-prob (ratio exactly 1); gradient: grad log pi
+      lp = mb["log_probs"] + (lp - jax.lax.stop_gradient(lp))
     if config.uses_critic:
       values = modeling.critic_values(critic_graphdef, params["critic"], mb["prompt_tokens"],
                                       mb["prompt_mask"], mb["response_tokens"], mb["mask"])
@@ -232,11 +261,14 @@ def make_update_fn(actor_graphdef, critic_graphdef, optimizer, config: RLHFConfi
   def update(state: ppo.PPOState, batch, key, kl_coef):
     mask = batch["mask"].astype(jnp.float32)
     n = mask.shape[0]
-    # Old log-probs: the actor's own function on minibatch-sized chunks (same shapes as in
-    # the loss), so that at the first minibatch the ratio is exactly 1.
-    chunks = jax.tree.map(lambda x: x.reshape((m, n // m) + x.shape[1:]), batch)
-    old_lp, _ = jax.lax.map(lambda mb: actor_apply(state.params["actor"], mb), chunks)
-    old_lp = jax.lax.stop_gradient(old_lp.reshape(n, -1))
+    if reuse:  # the sampler's log-probs; no extra forward pass
+      old_lp = jax.lax.stop_gradient(batch["sampler_log_probs"].astype(jnp.float32) * mask)
+    else:
+      # Old log-probs: the actor's own function on minibatch-sized chunks (same shapes as in
+      # the loss), so that at the first minibatch the ratio is exactly 1.
+      chunks = jax.tree.map(lambda x: x.reshape((m, n // m) + x.shape[1:]), batch)
+      old_lp, _ = jax.lax.map(lambda mb: actor_apply(state.params["actor"], mb), chunks)
+      old_lp = jax.lax.stop_gradient(old_lp.reshape(n, -1))
 
     ref = batch["ref_log_probs"]
     k_tok = kl_lib.kl_estimate(old_lp, ref, config.kl_estimator) * mask
@@ -271,13 +303,34 @@ def make_update_fn(actor_graphdef, critic_graphdef, optimizer, config: RLHFConfi
     state, metrics = ppo.ppo_update(state, ppo_batch, key, apply_fn=apply_fn,
                                     optimizer=optimizer, config=pcfg,
                                     penalty_fn=_mean_coef(penalty_fn) if in_loss else None)
-    drift = jnp.max(jnp.abs(old_lp - batch["sampler_log_probs"]) * mask)
+    drift = (jnp.float32(jnp.nan) if reuse
+             else jnp.max(jnp.abs(old_lp - batch["sampler_log_probs"]) * mask))
     metrics = dict(metrics, kl=jnp.mean(kl_seq), kl_token=ppo.masked_mean(k_tok, mask),
                    logprob_drift=drift)
     extras = dict(log_probs=old_lp, advantages=adv, returns=returns, token_rewards=token_rewards)
     return state, metrics, extras
 
-  return jax.jit(update, donate_argnums=(0,))
+  if out_shardings is None:
+    return jax.jit(update, donate_argnums=(0,))
+  return jax.jit(update, donate_argnums=(0,), out_shardings=out_shardings)
+
+
+def _batch_names(ndim: int) -> tuple[str | None, ...]:
+  """Logical names of a per-step array ``[B, ...]``: rows are the batch, the rest unsharded."""
+  return ("batch",) + (None,) * (ndim - 1)
+
+
+def _to_host(tree):
+  """``jax.device_get`` that also works for arrays spread over several processes (they are
+  all-gathered, so every process gets the whole value). Returns numpy leaves."""
+
+  def get(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+      from jax.experimental import multihost_utils
+      return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+  return jax.tree.map(get, tree)
 
 
 def _mean_coef(penalty_fn):
@@ -304,14 +357,22 @@ class RLHFTrainer:
     reward_fn: a programmatic reward ``fn(Samples) -> [B]`` used instead of a reward model.
     reference: the REFERENCE model (default: a frozen copy of ``actor``).
     critic: the CRITIC model (PPO; default from ``config.critic_init``).
+    placement: where each role lives (:class:`rljax.sharding.placement.Placement`), or None
+      for the default device. The actor and critic train in their placement's layout (e.g.
+      ``fsdp``) and the actor is resharded to ``placement.generation`` before every generation
+      (``timing/reshard``); see :meth:`_apply_placement`.
 
   Raises:
-    ValueError: neither or both of ``reward_model`` and ``reward_fn``; no prompts; no stop ids.
+    ValueError: neither or both of ``reward_model`` and ``reward_fn``; no prompts; no stop ids;
+      actor and critic placed differently.
+    rljax.sharding.mesh.MeshError: ``prompts_per_step * group_size`` not divisible by the
+      training mesh's data axes (raised before anything compiles).
   """
 
   def __init__(self, config: RLHFConfig, *, actor, tokenizer, prompts: Sequence[Sequence[int]],
                prompt_texts: Sequence[str] | None = None, reward_model=None,
-               reward_fn: RewardFn | None = None, reference=None, critic=None):
+               reward_fn: RewardFn | None = None, reference=None, critic=None,
+               placement: placement_lib.Placement | None = None):
     if (reward_model is None) == (reward_fn is None):
       raise ValueError("pass exactly one of reward_model= and reward_fn=")
     if not prompts:
@@ -380,6 +441,9 @@ class RLHFTrainer:
           gd[Role.CRITIC], p, pt, pm, rt, rm))
     self._update_fn = make_update_fn(gd[Role.ACTOR], gd.get(Role.CRITIC), self.optimizer, config)
     self.last_batch: dict[str, np.ndarray] = {}
+    self.placement: placement_lib.Placement | None = None
+    if placement is not None:
+      self._apply_placement(placement)
 
   # ---- phases --------------------------------------------------------------------------------
 
@@ -395,8 +459,9 @@ class RLHFTrainer:
       if scores.shape != (len(prompt_ids),):
         raise ValueError(f"reward_fn returned shape {scores.shape}, expected ({len(prompt_ids)},)")
     else:
-      scores = np.asarray(self._reward_model_fn(
-          self.params[Role.REWARD], out.prompt_tokens, out.prompt_mask, out.tokens, mask))
+      scores = _to_host(self._reward_model_fn(
+          self._frozen_params(Role.REWARD),
+          *self._inputs(Role.REWARD, (out.prompt_tokens, out.prompt_mask, out.tokens, mask))))
     return scores
 
   def tokenizer_decode(self, rows):
@@ -408,6 +473,101 @@ class RLHFTrainer:
   def actor_model(self):
     """The current policy as an NNX module."""
     return nnx.merge(self.graphdefs[Role.ACTOR], self.actor_params())
+
+  # ---- placement: meshes, rules, resharding (rljax.sharding.placement) ----------------------
+
+  def _role_placement(self, role: Role) -> placement_lib.RolePlacement:
+    return self.placement[placement_lib.Role(role.value)]
+
+  def _apply_placement(self, placement: placement_lib.Placement) -> None:
+    """Moves every role onto its mesh in its rules' layout and re-jits with pinned layouts.
+
+    * ACTOR and CRITIC (one ``ppo_state``, one update): params and optimizer state sharded by
+      the actor placement's preset (e.g. ``fsdp``: ``embed`` over the ``fsdp`` axis); the
+      update's output state is pinned to the same shardings, so steps never recompile.
+    * REFERENCE and REWARD: sharded on their meshes; kept in host memory between uses when
+      their placement says ``offload``.
+    * Per-step batches ``[B, ...]`` are split over the data axes (``data`` x ``fsdp``) of the
+      mesh of the role that reads them; metrics and ``extras`` come back replicated.
+
+    Raises:
+      ValueError: the actor and critic placements differ (they share one update).
+      MeshError: ``config.batch_size`` not divisible by the training mesh's data axes.
+    """
+    self.placement = placement
+    train = self._role_placement(Role.ACTOR)
+    if self.config.uses_critic:
+      crit = self._role_placement(Role.CRITIC)
+      if crit.mesh != train.mesh or crit.preset != train.preset:
+        raise ValueError(
+            f"the actor and critic train in one update and must share a placement; got actor "
+            f"{dict(train.mesh.shape)} {train.preset.value}, critic {dict(crit.mesh.shape)} "
+            f"{crit.preset.value}")
+    mesh_lib.check_batch_divisible(self.config.batch_size, train.mesh,
+                                   what="prompts_per_step * group_size")
+    ps = self.state.ppo_state
+    ps = ppo.PPOState(rules_lib.shard(ps.params, train.mesh, train.preset),
+                      rules_lib.shard(ps.opt_state, train.mesh, train.preset))
+    self.state = self.state._replace(ppo_state=ps)
+    for role in (Role.REFERENCE, Role.REWARD):
+      if role in self.params:
+        rp = self._role_placement(role)
+        self.params[role] = (placement_lib.offload(self.params[role], rp) if rp.offload else
+                             rules_lib.shard(self.params[role], rp.mesh, rp.preset))
+
+    def rows(role, ndim):  # the sharding of a per-step [B, ...] output of ``role``
+      rp = self._role_placement(role)
+      shape = (self.config.batch_size,) + (self.config.max_new_tokens,) * (ndim - 1)
+      return rules_lib.activation_sharding(_batch_names(ndim), shape, rp.mesh, rp.preset)
+
+    self._ref_fn = jax.jit(self._ref_fn.__wrapped__, out_shardings=rows(Role.REFERENCE, 2))
+    if self.config.uses_critic:
+      self._critic_fn = jax.jit(self._critic_fn.__wrapped__, out_shardings=rows(Role.CRITIC, 2))
+    if Role.REWARD in self.graphdefs:
+      rep = jax.sharding.NamedSharding(self._role_placement(Role.REWARD).mesh,
+                                       jax.sharding.PartitionSpec())
+      self._reward_model_fn = jax.jit(self._reward_model_fn.__wrapped__, out_shardings=rep)
+    rep = jax.sharding.NamedSharding(train.mesh, jax.sharding.PartitionSpec())
+    state_sh = jax.tree.map(lambda x: x.sharding, ps)
+    self._update_fn = make_update_fn(self.graphdefs[Role.ACTOR], self.graphdefs.get(Role.CRITIC),
+                                     self.optimizer, self.config,
+                                     out_shardings=(state_sh, rep, rep))
+
+  def _generation_params(self) -> tuple[Any, float]:
+    """The actor's weights in the generation layout, and the seconds the reshard took."""
+    if self.placement is None:
+      return self.actor_params(), 0.0
+    m: dict[str, float] = {}
+    params = placement_lib.reshard(self.actor_params(), to=self.placement.generation, metrics=m)
+    return params, m["timing/reshard"]
+
+  def generation_params(self):
+    """The actor's current weights resharded to the generation layout (what the sampler uses)."""
+    return self._generation_params()[0]
+
+  def _frozen_params(self, role: Role):
+    """A frozen role's params on device (brought back from host memory if offloaded)."""
+    params = self.params[role]
+    if self.placement is not None and self._role_placement(role).offload:
+      params = placement_lib.onload(params, self._role_placement(role))
+    return params
+
+  def _inputs(self, role: Role, tree):
+    """Per-step host or device arrays ``[B, ...]`` as global arrays split over the data axes of
+    ``role``'s mesh (identity without a placement). Every process holds the same host batch."""
+    if self.placement is None:
+      return tree
+    rp = self._role_placement(role)
+
+    def put(x):
+      shape = tuple(np.shape(x))
+      sharding = rules_lib.activation_sharding(_batch_names(len(shape)), shape, rp.mesh, rp.preset)
+      if isinstance(x, jax.Array):
+        return x if x.sharding == sharding else jax.device_put(x, sharding)
+      host = np.asarray(x)
+      return jax.make_array_from_callback(shape, sharding, lambda idx: host[idx])
+
+    return jax.tree.map(put, tree)
 
   def step(self) -> dict[str, float]:
     """One RLHF step; returns its metrics (floats)."""
@@ -421,14 +581,22 @@ class RLHFTrainer:
       self._batch_prompt_texts = [self.prompt_texts[i] for i in rows]
     key, gen_key, upd_key = jax.random.split(self.state.key, 3)
 
+    gen_params, reshard_s = self._generation_params()
     t = time.perf_counter()
-    self.sampler.update_params(self.actor_params())
+    self.sampler.update_params(gen_params)
     out = self.sampler.generate(prompt_ids, key=gen_key)
-    timing = {"timing/generation": time.perf_counter() - t}
+    timing = {"timing/generation": time.perf_counter() - t, "timing/reshard": reshard_s}
 
     args = (out.prompt_tokens, out.prompt_mask, out.tokens, out.response_mask)
     t = time.perf_counter()
-    ref_lp = jax.block_until_ready(self._ref_fn(self.params[Role.REFERENCE], *args))
+    if cfg.uses_reference:
+      ref_lp = jax.block_until_ready(self._ref_fn(self._frozen_params(Role.REFERENCE),
+                                                  *self._inputs(Role.REFERENCE, args)))
+    else:
+      # beta == 0 and fixed: the KL term is multiplied by 0, so the reference forward is
+      # skipped (as TRL does at beta = 0); the rollout's own log-probs stand in, and the
+      # KL metrics are not reported.
+      ref_lp = out.log_probs_t1
     timing["timing/reference"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -445,7 +613,8 @@ class RLHFTrainer:
 
     t = time.perf_counter()
     if cfg.uses_critic:
-      values = jax.block_until_ready(self._critic_fn(self.state.ppo_state.params["critic"], *args))
+      values = jax.block_until_ready(self._critic_fn(self.state.ppo_state.params["critic"],
+                                                     *self._inputs(Role.CRITIC, args)))
     else:
       values = np.zeros(out.tokens.shape, np.float32)
     timing["timing/critic"] = time.perf_counter() - t
@@ -453,21 +622,21 @@ class RLHFTrainer:
     batch = dict(prompt_tokens=out.prompt_tokens, prompt_mask=out.prompt_mask,
                  response_tokens=out.tokens, mask=out.response_mask, ref_log_probs=ref_lp,
                  values=values, scores=scores, sampler_log_probs=out.log_probs_t1)
+    batch = self._inputs(Role.ACTOR, batch)
     t = time.perf_counter()
     kl_coef = self.state.kl_state.kl_coef
     ppo_state, metrics, extras = self._update_fn(self.state.ppo_state, batch, upd_key, kl_coef)
-    metrics = jax.device_get(metrics)
+    metrics = _to_host(metrics)
     timing["timing/update"] = time.perf_counter() - t
 
     kl_state = self.kl_controller.update(self.state.kl_state, metrics["kl"], cfg.batch_size)
     self.state = RLHFState(ppo_state, kl_state, self.state.step + 1, pos, key)
-    self.last_batch = dict(jax.device_get(batch), **jax.device_get(extras))
+    self.last_batch = dict(_to_host(batch), **_to_host(extras))
 
     lengths = out.lengths
     rec = {
         "reward/mean": float(np.mean(scores)), "reward/std": float(np.std(scores)),
         "score/mean": float(np.mean(raw_scores)),
-        "kl": float(metrics["kl"]), "kl_token": float(metrics["kl_token"]),
         "kl_coef": float(kl_coef),
         "entropy": float(metrics["entropy"]),
         "response_length/mean": float(np.mean(lengths)),
@@ -475,6 +644,8 @@ class RLHFTrainer:
         "eos_fraction": float(np.mean(np.asarray(
             losses.ends_with_stop(out.tokens, out.response_mask, self.stop_ids)))),
     }
+    if cfg.uses_reference:
+      rec["kl"], rec["kl_token"] = float(metrics["kl"]), float(metrics["kl_token"])
     for k in ("pg_loss", "vf_loss", "clipfrac", "approx_kl", "grad_norm", "ratio_first",
               "logprob_drift", "loss"):
       rec[k] = float(metrics[k])

@@ -1,9 +1,17 @@
-"""Supervised fine-tuning: next-token NLL on response tokens only, length-grouped buckets.
+"""Supervised fine-tuning: next-token NLL on response tokens only, bucketed or packed.
 
-Each example is ``(prompt_ids, response_ids)``; a batch is the concatenation right-padded to a
-length bucket (``SFTConfig.length_buckets``), so a run compiles once per bucket. Batches are
-drawn in length-grouped order (:func:`rljax.envs.text.data.epoch_order`), so padding stays a
-small fraction of each batch (reported as ``padding_fraction``). The loss is
+Each example is ``(prompt_ids, response_ids)``. Two batch layouts:
+
+* **bucketing** (default): a batch is the concatenation right-padded to a length bucket
+  (``SFTConfig.length_buckets``), so a run compiles once per bucket. Batches are drawn in
+  length-grouped order (:func:`rljax.envs.text.data.epoch_order`).
+* **packing** (``SFTConfig.packing``): the dataset is packed once, first-fit decreasing, into
+  rows of ``pack_length`` tokens that hold several examples each (:func:`pack_examples`), with
+  segment ids, per-segment positions and a block-diagonal causal mask
+  (:meth:`rljax.models.llm.DecoderLM.hidden_states`), so no token sees another example. Rows
+  are shuffled per epoch; a step has one fixed shape, so one compilation.
+
+The fraction of padding tokens is reported as ``padding_fraction``. The loss is
 ``sum(-log p(response tokens)) / #response tokens`` (numerator and denominator kept apart).
 Pre-training is the same step with ``prompt_ids = [BOS]``: every text token is a target.
 
@@ -26,6 +34,7 @@ from flax import nnx
 
 from rljax.alignment import losses, modeling
 from rljax.envs.text import data as text_data
+from rljax.models import llm
 from rljax.sampling import bucket_size
 
 DEFAULT_LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
@@ -46,6 +55,10 @@ class SFTConfig:
     max_grad_norm: global-norm gradient clip (> 0).
     length_buckets: allowed padded lengths, increasing.
     group_size: examples per length-sorting window (0 or 1: no grouping).
+    packing: pack several examples per row (:func:`pack_examples`) instead of bucketing. A step
+      then takes ``round(batch_size * num_rows / num_examples)`` (>= 1) packed rows, i.e. about
+      ``batch_size`` examples, as without packing.
+    pack_length: row length when packing (0: the largest length bucket).
     seed: data shuffle seed.
     log_every: steps between metric records.
   """
@@ -58,6 +71,8 @@ class SFTConfig:
   max_grad_norm: float = 1.0
   length_buckets: tuple[int, ...] = DEFAULT_LENGTH_BUCKETS
   group_size: int = 512
+  packing: bool = False
+  pack_length: int = 0
   seed: int = 0
   log_every: int = 10
 
@@ -75,6 +90,8 @@ class SFTConfig:
     if not b or list(b) != sorted(set(b)) or b[0] < 2:
       raise ValueError(f"length_buckets must be increasing ints >= 2, got {self.length_buckets}.")
     object.__setattr__(self, "length_buckets", b)
+    if self.pack_length < 0 or 0 < self.pack_length < 2:
+      raise ValueError(f"pack_length must be 0 (largest bucket) or >= 2, got {self.pack_length}.")
 
 
 class SFTState(NamedTuple):
@@ -118,9 +135,72 @@ def make_batch(examples: Sequence[Example], length: int, pad_id: int) -> dict[st
   return dict(tokens=tokens, mask=mask, loss_mask=loss_mask)
 
 
+def pack_examples(examples: Sequence[Example], length: int, pad_id: int, *,
+                  num_rows: int | None = None) -> dict[str, np.ndarray]:
+  """Packs examples into rows of ``length`` tokens, first-fit decreasing.
+
+  Returns ``tokens, mask, loss_mask, segment_ids, positions [N_rows, length]`` int32:
+  ``segment_ids`` is ``1, 2, ..`` per example within its row and 0 on padding; ``positions``
+  restart at 0 for each example; ``loss_mask`` is 1 on response tokens. With
+  ``DecoderLM(tokens, mask, segment_ids=...)`` each example is scored exactly as in its own
+  unpadded row (block-diagonal causal attention), so :func:`sft_loss` on the packed batch
+  equals it on :func:`make_batch` of the same examples. ``num_rows`` pads the row count with
+  all-padding rows (fixed shapes).
+
+  Raises:
+    ValueError: an example longer than ``length`` or with an empty response, or more rows
+      needed than ``num_rows``.
+  """
+  lens = np.asarray([len(p) + len(r) for p, r in examples], np.int64)
+  for i, ((p, r), n) in enumerate(zip(examples, lens)):
+    if not len(r):
+      raise ValueError(f"example {i} has an empty response")
+    if n > length:
+      raise ValueError(f"example {i} has {n} tokens > pack length {length}")
+  free = np.zeros(0, np.int64)  # remaining room per row
+  row_of = np.zeros(len(examples), np.int64)
+  for i in np.argsort(-lens, kind="stable"):
+    fits = np.flatnonzero(free >= lens[i])
+    if fits.size:
+      row_of[i] = fits[0]
+    else:
+      free = np.append(free, length)
+      row_of[i] = free.size - 1
+    free[row_of[i]] -= lens[i]
+  rows = free.size if num_rows is None else num_rows
+  if free.size > rows:
+    raise ValueError(f"{free.size} packed rows needed > num_rows {rows}")
+  out = {k: np.zeros((rows, length), np.int32)
+         for k in ("tokens", "mask", "loss_mask", "segment_ids", "positions")}
+  out["tokens"][:] = pad_id
+  fill = np.zeros(rows, np.int64)
+  for i, (p, r) in enumerate(examples):  # original order within a row
+    row, s, n = row_of[i], fill[row_of[i]], lens[i]
+    out["tokens"][row, s:s + n] = list(p) + list(r)
+    out["mask"][row, s:s + n] = 1
+    out["loss_mask"][row, s + len(p):s + n] = 1
+    out["segment_ids"][row, s:s + n] = out["segment_ids"][row, :s].max(initial=0) + 1
+    out["positions"][row, s:s + n] = np.arange(n)
+    fill[row] += n
+  return out
+
+
+def _log_probs(graphdef, params, batch) -> jax.Array:
+  """``[B, L]`` f32 log-prob of each token given its prefix within its example (packed rows:
+  within its segment; 0 at each example's first token and on padding)."""
+  if "segment_ids" not in batch:
+    return modeling.lm_log_probs(graphdef, params, batch["tokens"], batch["mask"])
+  model = nnx.merge(graphdef, params)
+  tokens, seg = batch["tokens"], batch["segment_ids"]
+  logits = model(tokens, batch["mask"], positions=batch["positions"], segment_ids=seg)
+  lp = llm.token_log_probs(logits[:, :-1], tokens[:, 1:])
+  same = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
+  return jnp.pad(jnp.where(same, lp, 0.0), ((0, 0), (1, 0)))
+
+
 def sft_loss(graphdef, params, batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Mean NLL over response tokens of ``batch`` (see :func:`make_batch`)."""
-  lp = modeling.lm_log_probs(graphdef, params, batch["tokens"], batch["mask"])
+  """Mean NLL over response tokens of ``batch`` (:func:`make_batch` or :func:`pack_examples`)."""
+  lp = _log_probs(graphdef, params, batch)
   nll_sum, count = losses.sft_loss_terms(lp, batch["loss_mask"])
   loss = nll_sum / jnp.maximum(count, 1.0)
   return loss, dict(loss=loss, tokens=count)
@@ -171,6 +251,7 @@ def train_sft(
     writer=None,
     state: SFTState | None = None,
     prefix: str = "sft/",
+    layout=None,
 ) -> tuple[nnx.Module, SFTState, list[dict[str, float]]]:
   """Trains ``model`` on ``(prompt_ids, response_ids)`` examples; returns the updated model,
   the final state (to checkpoint or resume from) and the logged metrics.
@@ -184,9 +265,12 @@ def train_sft(
     writer: optional :class:`rljax.metrics.MetricsWriter`.
     state: resume from this state (params, optimizer, step, data position).
     prefix: metric-name prefix.
+    layout: an :class:`rljax.alignment.layout.TrainLayout` (mesh + rules preset) to train on:
+      params and optimizer state sharded by its rules, each batch split over its data axes.
 
   Raises:
-    ValueError: no examples, or an example longer than the largest bucket.
+    ValueError: no examples, or an example longer than the largest bucket (the pack length
+      when packing).
   """
   if not examples:
     raise ValueError("train_sft: empty dataset")
@@ -198,19 +282,32 @@ def train_sft(
   if state is None:
     state = init_state(params, optimizer, config.seed)
   lengths = np.asarray([len(p) + len(r) for p, r in examples])
-  if lengths.max() > config.length_buckets[-1]:
+  if not config.packing and lengths.max() > config.length_buckets[-1]:
     raise ValueError(f"an example has {lengths.max()} tokens > largest length bucket "
                      f"{config.length_buckets[-1]}")
   params, opt_state, step, pos = state
+  if config.packing:
+    # Packed once; the data position then walks over rows (shuffled per epoch).
+    packed = pack_examples(examples, config.pack_length or config.length_buckets[-1], pad_id)
+    num_rows = packed["tokens"].shape[0]
+    rows_per_step = max(1, round(config.batch_size * num_rows / len(examples)))
+  if layout is not None:  # checked before anything compiles
+    layout.check_batch(rows_per_step if config.packing else config.batch_size, what="batch_size")
+    params, opt_state = layout.shard(params), layout.shard(opt_state)
   history = []
   t0 = time.perf_counter()
   acc = dict(loss=0.0, n=0, pad=0.0)
   while step < config.num_steps:
-    idx, pos = text_data.next_batch_indices(pos, len(examples), config.batch_size,
-                                            lengths=lengths, group_size=config.group_size)
-    length = bucket_size(int(lengths[idx].max()), config.length_buckets)
-    batch = make_batch([examples[i] for i in idx], length, pad_id)
-    params, opt_state, metrics = step_fn(params, opt_state, batch)
+    if config.packing:
+      idx, pos = text_data.next_batch_indices(pos, num_rows, rows_per_step)
+      batch = {k: v[idx] for k, v in packed.items()}
+    else:
+      idx, pos = text_data.next_batch_indices(pos, len(examples), config.batch_size,
+                                              lengths=lengths, group_size=config.group_size)
+      length = bucket_size(int(lengths[idx].max()), config.length_buckets)
+      batch = make_batch([examples[i] for i in idx], length, pad_id)
+    params, opt_state, metrics = step_fn(
+        params, opt_state, batch if layout is None else layout.put_batch(batch))
     step += 1
     acc["loss"] += float(metrics["loss"])
     acc["n"] += 1

@@ -568,7 +568,8 @@ def make_apg_trainer(config: APGConfig, params_key: Array | None = None):
   train_env = envs.wrap_for_training(diff_env, episode_length=episode_length,
                                      action_repeat=config.action_repeat)
   eval_env = brax_training.EvalWrapper(
-      envs.wrap_for_training(env, episode_length=episode_length, action_repeat=config.action_repeat))
+      envs.wrap_for_training(env, episode_length=episode_length,
+                             action_repeat=config.action_repeat))
   net_config = mlp.ActorCriticConfig(
       observation_size=ppo_trainer._obs_size(env),
       action_size=int(env.action_size),
@@ -630,8 +631,14 @@ def train_apg(config: APGConfig, logdir: str | None = None, *, progress: bool = 
 
   Raises:
     rljax.envs.UnknownEnvError: unknown environment, before anything compiles.
+    ValueError: ``logdir`` already holds checkpoints (APG runs do not resume).
   """
   t_start = time.perf_counter()
+  if logdir is not None and checkpoints and _latest_checkpoint(logdir) is not None:
+    raise ValueError(
+        f"{logdir!r} already holds checkpoints (step {_latest_checkpoint(logdir)}); APG runs "
+        f"do not resume: use a new --logdir."
+    )
   trainer, params = make_apg_trainer(config)
   writer = manager = None
   if logdir is not None:
@@ -661,7 +668,9 @@ def train_apg(config: APGConfig, logdir: str | None = None, *, progress: bool = 
       writer.write(step, record, progress=env_steps)
 
   t0 = time.perf_counter()
-  ev = jax.device_get(trainer.evaluate(state.params, state.obs_stats, jax.random.fold_in(eval_key, 0)))
+  evaluate = lambda s, i: jax.device_get(
+      trainer.evaluate(s.params, s.obs_stats, jax.random.fold_in(eval_key, i)))
+  ev = evaluate(state, 0)
   compile_s = time.perf_counter() - t0
   log(0, dict(ev, **{"timing/eval_s": compile_s, "sps": 0.0}))
   first_train_s = None
@@ -676,7 +685,7 @@ def train_apg(config: APGConfig, logdir: str | None = None, *, progress: bool = 
       compile_s += max(first_train_s - train_s, 0.0)
     env_steps += trainer.env_steps_per_chunk
     t1 = time.perf_counter()
-    ev = jax.device_get(trainer.evaluate(state.params, state.obs_stats, jax.random.fold_in(eval_key, chunk)))
+    ev = evaluate(state, chunk)
     record = dict(train_metrics)
     record.update(ev)
     record.update({"sps": trainer.env_steps_per_chunk / train_s, "timing/train_s": train_s,
@@ -696,6 +705,12 @@ def train_apg(config: APGConfig, logdir: str | None = None, *, progress: bool = 
   if manager is not None:
     manager.close()
   return APGResult(state, trainer.networks, history, wall_s, compile_s)
+
+
+def _latest_checkpoint(logdir: str) -> int | None:
+  d = ckpt.checkpoint_dir(logdir)
+  steps = [int(n) for n in os.listdir(d) if n.isdigit()] if os.path.isdir(d) else []
+  return max(steps) if steps else None
 
 
 def _has_mjx_model(env) -> bool:

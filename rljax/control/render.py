@@ -25,6 +25,11 @@ Example::
     from rljax.control import render
     render.render_policy("runs/cartpole", "runs/cartpole/videos/rollout", num_envs=2)
     # -> rollout.mp4, rollout.gif
+
+    # In a training loop: compiled once, called after each evaluation.
+    video = render.EvalVideo(env, lambda p, obs: policy(p, obs), episode_length=500,
+                             formats=("mp4",))
+    video(params, f"{logdir}/videos/eval_{step:04d}")
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 
 Array = jax.Array
-PolicyFn = Callable[[Array], Array]
+PolicyFn = Callable[[Array], Array]  # obs [N, D] -> actions [N, A]
+ParamPolicyFn = Callable[[Any, Array], Array]  # (policy params, obs [N, D]) -> actions [N, A]
 
 VIDEO_FORMATS = ("mp4", "gif")
 _GL_BACKENDS = ("osmesa", "egl", "glfw")
@@ -116,7 +122,8 @@ def _gl_context_class(backend: str):
     else:
       from mujoco.glfw import GLContext
   except (ImportError, OSError, AttributeError) as e:
-    raise RenderError(f"MuJoCo cannot use the {backend!r} GL backend ({e}); {hints[backend]}.") from e
+    raise RenderError(
+        f"MuJoCo cannot use the {backend!r} GL backend ({e}); {hints[backend]}.") from e
   return GLContext
 
 
@@ -142,19 +149,23 @@ def _render_fields(env, state) -> dict[str, Array]:
   return fields
 
 
-def make_rollout_fn(env, policy_fn: PolicyFn, *, num_envs: int, num_steps: int,
-                    action_repeat: int = 1) -> Callable[[Array], tuple[dict, Array, Array]]:
-  """``jit(key) -> (fields, dones, rewards)`` for ``num_envs`` episodes of ``num_steps``.
+def make_rollout_fn(env, policy_fn: ParamPolicyFn, *, num_envs: int, num_steps: int,
+                    action_repeat: int = 1) -> Callable[[Any, Array], tuple[dict, Array, Array]]:
+  """``jit(policy_params, key) -> (fields, dones, rewards)``: ``num_envs`` episodes.
+
+  The policy's parameters are an argument, so one compiled rollout serves every
+  evaluation of a training run.
 
   Args:
     env: an unwrapped environment from ``rljax.envs.make``.
-    policy_fn: ``obs [N, D] -> actions [N, A]`` in ``[-1, 1]``, jittable.
+    policy_fn: ``(policy_params, obs [N, D]) -> actions [N, A]`` in ``[-1, 1]``, jittable.
     num_envs: ``N``, episodes rolled out in parallel (``jax.vmap``).
     num_steps: control steps ``T``.
     action_repeat: physics steps per action, as in training.
 
   Returns:
-    A jitted function of a PRNG key returning ``fields`` (dict of ``[T+1, N, ...]``
+    A jitted function of the policy's parameters (any pytree) and a PRNG key, returning
+    ``fields`` (dict of ``[T+1, N, ...]``
     arrays that `render_frames` needs, frozen after each environment's first ``done``),
     ``dones [T+1, N]`` bool (done at or before that step) and ``rewards [T, N]``
     float32 (zero after ``done``).
@@ -169,14 +180,14 @@ def make_rollout_fn(env, policy_fn: PolicyFn, *, num_envs: int, num_steps: int,
 
   step = jax.vmap(step_one)
 
-  def rollout(key):
+  def rollout(policy_params, key):
     state = reset(jax.random.split(key, num_envs))
     fields0 = _render_fields(env, state)
     done0 = jnp.zeros((num_envs,), bool)
 
     def body(carry, _):
       state, fields, done = carry
-      state = step(state, policy_fn(state.obs))
+      state = step(state, policy_fn(policy_params, state.obs))
       reward = jnp.where(done, 0.0, state.reward)
       new_done = done | (state.done > 0)
       keep = lambda old, new: jnp.where(
@@ -275,9 +286,11 @@ def write_video(frames: np.ndarray, path: str, *, fps: float) -> str:
                    duration=max(int(round(1000.0 / fps)), 20), loop=0)
     return path
   if frames.shape[1] % 2 or frames.shape[2] % 2:
-    raise ValueError(f"MP4 (H.264) needs even frame sizes, got {frames.shape[1]}x{frames.shape[2]}.")
+    raise ValueError(
+        f"MP4 (H.264) needs even frame sizes, got {frames.shape[1]}x{frames.shape[2]}.")
   if shutil.which("ffmpeg") is None:
-    raise RenderError("writing MP4 needs the ffmpeg binary (Debian/Ubuntu: apt-get install ffmpeg).")
+    raise RenderError(
+        "writing MP4 needs the ffmpeg binary (Debian/Ubuntu: apt-get install ffmpeg).")
   import mediapy
 
   mediapy.write_video(path, frames, fps=fps)
@@ -312,8 +325,72 @@ def _video_paths(path: str, formats: Sequence[str]) -> list[str]:
     return [path]
   bad = [f for f in formats if f not in VIDEO_FORMATS]
   if bad or not formats:
-    raise ValueError(f"formats must be a non-empty subset of {VIDEO_FORMATS}, got {tuple(formats)}.")
+    raise ValueError(
+        f"formats must be a non-empty subset of {VIDEO_FORMATS}, got {tuple(formats)}.")
   return [f"{path}.{f}" for f in formats]
+
+
+class EvalVideo:
+  """Writes videos of a policy's episodes; compiled once, called at every evaluation.
+
+  ``EvalVideo(env, policy_fn, ...)(policy_params, path, key)`` rolls out
+  ``policy_fn(policy_params, obs)``, renders and writes the video(s). The rollout is
+  jitted with the parameters as an argument, so only the first call compiles.
+
+  Args:
+    env: an unwrapped environment (``rljax.envs.make``), e.g. the one a trainer wraps.
+    policy_fn: ``(policy_params, obs [N, D]) -> actions [N, A]`` in ``[-1, 1]``, jittable.
+    num_envs: episodes shown side by side.
+    episode_length: environment steps (after action repeat) per episode.
+    action_repeat: physics steps per action (the run's ``action_repeat``).
+    camera: camera name or index; ``None`` is the environment's default camera.
+    height, width: pixels of each environment's view (even numbers for MP4).
+    max_fps: frame-rate ceiling; steps are skipped to stay under it in real time.
+    formats: written when a call's ``path`` has no video extension.
+    gl_backend: see `setup_gl`.
+
+  Raises:
+    ValueError: bad sizes or camera (at construction, before anything compiles).
+    RenderError: (on call) no usable GL backend or ffmpeg.
+  """
+
+  def __init__(self, env, policy_fn: ParamPolicyFn, *, num_envs: int = 1,
+               episode_length: int = 1000, action_repeat: int = 1,
+               camera: str | int | None = None, height: int = 240, width: int = 320,
+               max_fps: float = 50.0, formats: Sequence[str] = VIDEO_FORMATS,
+               gl_backend: str | None = None):
+    for name, value in (("num_envs", num_envs), ("episode_length", episode_length),
+                        ("action_repeat", action_repeat), ("height", height), ("width", width)):
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    if not max_fps > 0:
+      raise ValueError(f"max_fps must be > 0, got {max_fps!r}.")
+    _video_paths("x", formats)  # validates formats
+    self.env = env
+    self.camera = check_camera(env, camera)
+    self.height, self.width = height, width
+    self.formats = tuple(formats)
+    self.gl_backend = gl_backend
+    self.num_steps = max(episode_length // action_repeat, 1)
+    step_s = float(env.dt) * action_repeat
+    self.stride = max(1, math.ceil(1.0 / (step_s * max_fps)))
+    self.fps = 1.0 / (step_s * self.stride)
+    self.rollout = make_rollout_fn(env, policy_fn, num_envs=num_envs, num_steps=self.num_steps,
+                                   action_repeat=action_repeat)
+
+  def __call__(self, policy_params, path: str, key: Array | None = None) -> RenderResult:
+    """Renders episodes from ``key`` (default ``PRNGKey(0)``) to ``path``; see `render_rollout`."""
+    paths = _video_paths(path, self.formats)
+    if any(p.lower().endswith(".mp4") for p in paths) and (self.height % 2 or self.width % 2):
+      raise ValueError(f"MP4 needs even height and width, got {self.height}x{self.width}.")
+    setup_gl(self.gl_backend)
+    key = jax.random.PRNGKey(0) if key is None else key
+    fields, dones, rewards = jax.device_get(self.rollout(policy_params, key))
+    frames = render_frames(self.env, fields, camera=self.camera, height=self.height,
+                           width=self.width, stride=self.stride, gl_backend=self.gl_backend)
+    written = tuple(write_video(frames, p, fps=self.fps) for p in paths)
+    lengths = np.where(dones[-1], np.argmax(dones, axis=0), self.num_steps)
+    return RenderResult(written, frames.shape, self.fps, rewards.sum(axis=0), lengths)
 
 
 def render_rollout(
@@ -322,18 +399,10 @@ def render_rollout(
     path: str,
     *,
     key: Array | None = None,
-    num_envs: int = 1,
-    episode_length: int = 1000,
-    action_repeat: int = 1,
-    camera: str | int | None = None,
-    height: int = 240,
-    width: int = 320,
-    max_fps: float = 50.0,
-    formats: Sequence[str] = VIDEO_FORMATS,
     env_kwargs: dict[str, Any] | None = None,
-    gl_backend: str | None = None,
+    **options: Any,
 ) -> RenderResult:
-  """Rolls out ``policy_fn`` and writes the video(s); the trainer can call it per evaluation.
+  """Rolls out ``policy_fn`` once and writes the video(s).
 
   Args:
     env: a registry name (``"playground/CartpoleBalance"``) or an unwrapped environment.
@@ -342,15 +411,10 @@ def render_rollout(
     path: ``*.mp4`` or ``*.gif`` for one file, or a stem to which ``.mp4``/``.gif``
       (``formats``) are appended.
     key: PRNG key of the resets; default ``PRNGKey(0)``.
-    num_envs: episodes shown side by side.
-    episode_length: environment steps (after action repeat) per episode.
-    action_repeat: physics steps per action (the run's ``action_repeat``).
-    camera: camera name or index; ``None`` is the environment's default camera.
-    height, width: pixels of each environment's view (even numbers for MP4).
-    max_fps: frame-rate ceiling; steps are skipped to stay under it in real time.
-    formats: written when ``path`` has no video extension.
     env_kwargs: for ``rljax.envs.make`` when ``env`` is a name.
-    gl_backend: see `setup_gl`.
+    **options: `EvalVideo`'s keyword arguments (``num_envs``, ``episode_length``,
+      ``action_repeat``, ``camera``, ``height``, ``width``, ``max_fps``, ``formats``,
+      ``gl_backend``).
 
   Returns:
     `RenderResult`.
@@ -359,34 +423,13 @@ def render_rollout(
     ValueError: bad sizes, camera or formats (before anything compiles).
     RenderError: no usable GL backend or ffmpeg.
   """
-  for name, value in (("num_envs", num_envs), ("episode_length", episode_length),
-                      ("action_repeat", action_repeat), ("height", height), ("width", width)):
-    if not isinstance(value, int) or value < 1:
-      raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-  if not max_fps > 0:
-    raise ValueError(f"max_fps must be > 0, got {max_fps!r}.")
-  paths = _video_paths(path, formats)
-  if any(p.lower().endswith(".mp4") for p in paths) and (height % 2 or width % 2):
-    raise ValueError(f"MP4 needs even height and width, got {height}x{width}.")
-  setup_gl(gl_backend)
+  _video_paths(path, options.get("formats", VIDEO_FORMATS))
   if isinstance(env, str):
     from rljax import envs
 
     env = envs.make(env, **(env_kwargs or {}))
-  camera = check_camera(env, camera)
-  num_steps = max(episode_length // action_repeat, 1)
-  step_s = float(env.dt) * action_repeat
-  stride = max(1, math.ceil(1.0 / (step_s * max_fps)))
-  fps = 1.0 / (step_s * stride)
-
-  rollout = make_rollout_fn(env, policy_fn, num_envs=num_envs, num_steps=num_steps,
-                            action_repeat=action_repeat)
-  fields, dones, rewards = jax.device_get(rollout(jax.random.PRNGKey(0) if key is None else key))
-  frames = render_frames(env, fields, camera=camera, height=height, width=width, stride=stride,
-                         gl_backend=gl_backend)
-  written = tuple(write_video(frames, p, fps=fps) for p in paths)
-  lengths = np.where(dones[-1], np.argmax(dones, axis=0), num_steps)
-  return RenderResult(written, frames.shape, fps, rewards.sum(axis=0), lengths)
+  video = EvalVideo(env, lambda _, obs: policy_fn(obs), **options)
+  return video((), path, key)
 
 
 def _run_config(saved: dict) -> dict:
@@ -415,7 +458,8 @@ def render_policy(logdir: str, path: str | None = None, *, step: int | None = No
   if not run.get("env"):
     raise FileNotFoundError(f"{logdir!r} has no environment name in checkpoints/config.json.")
   policy = trainer.load_policy(logdir, step=step, deterministic=True)
-  episode_length = episode_length or run.get("episode_length") or envs.default_episode_length(run["env"])
+  episode_length = (episode_length or run.get("episode_length")
+                    or envs.default_episode_length(run["env"]))
   kwargs.setdefault("action_repeat", int(run.get("action_repeat", 1)))
   kwargs.setdefault("env_kwargs", dict(run.get("env_kwargs") or ()))
   return render_rollout(
@@ -425,6 +469,7 @@ def render_policy(logdir: str, path: str | None = None, *, step: int | None = No
 
 
 __all__ = [
+    "EvalVideo",
     "RenderError",
     "RenderResult",
     "check_camera",

@@ -17,13 +17,13 @@ ratio is exactly 1.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import json
 import math
 import os
-import signal
-import threading
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -174,7 +174,10 @@ class Trainer:
     """Environments split over the mesh's data axes; learner state replicated.
 
     Outside jit this moves the arrays; inside jit it constrains their shardings so
-    that every chunk's outputs are laid out like its inputs (no recompilation).
+    that every chunk's outputs are laid out like its inputs (no recompilation). With
+    several processes, ``jax.device_put`` of a process-local array onto the global
+    mesh keeps each process's own rows, so every process must pass the same values
+    (they do: `init` and checkpoint restores are deterministic).
     """
     if self.mesh is None:
       return ts, env_state
@@ -229,6 +232,29 @@ class Trainer:
     keys = jax.random.split(key, self.config.unroll_length)
     return jax.lax.scan(step, env_state, keys)
 
+  def _bootstrap_values(self, params, stats, data, values: Array) -> Array:
+    """``[N, T]`` values of each step's successor state, ``V(s'_t)``.
+
+    ``s'_t`` is the pre-reset state (``final_obs``). Where step ``t < T - 1`` did not end
+    an episode it is ``s_{t+1}``, whose value is already in ``values[:, t + 1]``; where it
+    ended by termination its discount is 0 and the value is unused. Only truncated steps
+    before the last need ``V(final_obs)``. So the full second value pass runs only in
+    iterations that hold such a step (episodes truncate together, once every
+    ``episode_length / unroll_length`` iterations or so); otherwise only the last step's
+    successors ``[N]`` are evaluated. Both branches give the same values.
+    """
+    networks = self.networks
+
+    def full(_):
+      return value_apply(networks, params, running_stats.normalize(stats, data["final_obs"]))
+
+    def shifted(_):
+      last = value_apply(networks, params, running_stats.normalize(stats, data["final_obs"][:, -1]))
+      return jnp.concatenate([values[:, 1:], last[:, None]], axis=1)
+
+    needs_full = jnp.any(data["truncation"][:, :-1])
+    return jax.lax.cond(needs_full, full, shifted, None)
+
   def _iteration(self, carry, _):
     ts, env_state = carry
     c = self.config
@@ -247,9 +273,7 @@ class Trainer:
     stats = ts.obs_stats
     obs_n = running_stats.normalize(stats, data["obs"])
     values = value_apply(self.networks, ts.params, obs_n)
-    bootstrap = value_apply(
-        self.networks, ts.params, running_stats.normalize(stats, data["final_obs"])
-    )
+    bootstrap = self._bootstrap_values(ts.params, stats, data, values)
     truncation = data["truncation"].astype(jnp.float32)
     discounts = 1.0 - data["dones"].astype(jnp.float32) * (1.0 - truncation)
     advantages, returns = ppo.compute_gae(
@@ -351,6 +375,31 @@ class Trainer:
     return jax.jit(run)
 
 
+@contextlib.contextmanager
+def _process_local_default_devices():
+  """Within the block, ``jax.devices()`` lists this process's devices first.
+
+  MJX (``mjx.put_model``) places the environment's model on ``jax.devices()[0]``, which with
+  several processes is process 0's device: every other process would then hold constants it
+  cannot read ("Closing over jax.Array that spans non-addressable devices"). Each process builds
+  its own copy on its own device instead. A no-op with one process.
+  """
+  if jax.process_count() == 1:
+    yield
+    return
+  original = jax.devices
+
+  def local_first(backend=None):
+    local = jax.local_devices(backend=backend)
+    return local + [d for d in original(backend) if d not in local]
+
+  jax.devices = local_first
+  try:
+    yield
+  finally:
+    jax.devices = original
+
+
 def make_trainer(
     config: ControlConfig,
     params_key: Array | None = None,
@@ -365,7 +414,11 @@ def make_trainer(
     mesh: optional device mesh. The ``num_envs`` environments (and so every batch)
       are split over its ``data`` and ``fsdp`` axes and the learner state is
       replicated; jit's partitioner then computes the gradient of the global batch,
-      equal to the 1-device gradient.
+      equal to the 1-device gradient. The mesh may span several processes
+      (``jax.distributed``): every process builds the same environments and initial
+      state (same seeds) on its own devices, and `Trainer.init` turns them into global
+      arrays of which each process holds its rows (the 2-process chunk equals the
+      1-process one, ``tests/test_distributed_training.py``).
 
   Raises:
     rljax.envs.UnknownEnvError: unknown ``config.env``.
@@ -380,7 +433,8 @@ def make_trainer(
       )
   from brax.envs.wrappers import training as brax_training
 
-  env = envs.make(config.env, **dict(config.env_kwargs))
+  with _process_local_default_devices():  # MJX puts its model on jax.devices()[0]
+    env = envs.make(config.env, **dict(config.env_kwargs))
   episode_length = config.episode_length or envs.default_episode_length(config.env)
   train_env = envs.wrap_for_training(
       env, episode_length=episode_length, action_repeat=config.action_repeat
@@ -421,8 +475,8 @@ class TrainResult(NamedTuple):
 
 
 # Exit status of a run stopped by SIGTERM (SLURM preemption) after checkpointing:
-# EX_TEMPFAIL from sysexits.h, "try again later".
-EXIT_PREEMPTED = 75
+# EX_TEMPFAIL from sysexits.h, "try again later" (shared with the RLHF scripts).
+EXIT_PREEMPTED = ckpt.EXIT_PREEMPTED
 
 
 class Preempted(Exception):
@@ -467,52 +521,15 @@ def _from_items(ts: TrainState, policy: dict, train_item: dict) -> TrainState:
 
 def _check_same_config(logdir: str, config: ControlConfig) -> None:
   """A run resumes only with the config it was started with (else it is not exact)."""
-  try:
-    saved = ckpt.read_config(logdir)["control"]
-  except FileNotFoundError:
-    return
-  now = json.loads(config.to_json())
-  diff = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
-  if diff:
-    shown = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in sorted(diff.items()))
-    raise ValueError(
-        f"{logdir!r} holds a run with a different config ({shown}); use a new --logdir "
-        f"or the same settings to resume."
-    )
+  ckpt.check_same_config(logdir, "control", json.loads(config.to_json()))
 
 
 def _truncate_jsonl(path: str, last_step: int) -> None:
   """Drops records logged after ``last_step`` (they are redone after a resume)."""
-  if not os.path.exists(path):
-    return
-  keep = [r for r in metrics_lib.read_jsonl(path) if r["step"] <= last_step]
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    f.writelines(json.dumps(r) + "\n" for r in keep)
-  os.replace(tmp, path)
+  ckpt.truncate_jsonl(path, last_step)
 
 
-class _SigtermFlag:
-  """Records SIGTERM; the host loop checks it between compiled chunks.
-
-  The handler only sets a flag, so it can never interrupt a checkpoint write.
-  """
-
-  def __init__(self):
-    self.received = False
-    self._previous = None
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
-    return self
-
-  def _handle(self, signum, frame):
-    self.received = True
-
-  def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
+_SigtermFlag = ckpt.SigtermFlag
 
 
 def train(
@@ -524,6 +541,7 @@ def train(
     resume: bool = True,
     log: Callable[[str], None] = print,
     mesh: jax.sharding.Mesh | None = None,
+    on_eval: Callable[[int, TrainState, dict[str, Any]], Any] | None = None,
 ) -> TrainResult:
   """Trains ``config`` end to end: evaluation, logging and checkpoints in the host loop.
 
@@ -535,6 +553,11 @@ def train(
   newest readable checkpoint and ends bitwise equal to an uninterrupted run. On
   SIGTERM the current chunk finishes, a checkpoint is written and `Preempted` is
   raised (scripts exit with `EXIT_PREEMPTED`).
+
+  ``on_eval(chunk, train_state, record)``, if given, is called on the host after each
+  evaluation is logged and checkpointed (chunk 0 before training included), with the record as logged
+  (``env_steps``, ``eval/episode_reward``, ...); e.g.
+  ``rljax.control.eval_video.eval_video_callback`` writes a video there.
 
   Returns:
     `TrainResult`.
@@ -596,11 +619,27 @@ def train(
     if manager is not None:
       ckpt.save(manager, chunk, _policy_item(ts), _train_item(ts, env_state, env_steps))
 
+  # The train chunk compiles on a second thread while the evaluation compiles and runs
+  # here: XLA compiles one module on one core, so on a 2-core machine this takes about
+  # the larger of the two compile times instead of their sum. The jitted function
+  # reuses the executable (its cache holds one entry, as before).
+  chunk_compiled = None
+  if start_chunk < trainer.num_chunks:
+    compile_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rljax-compile")
+    chunk_compiled = compile_pool.submit(
+        lambda: trainer.train_chunk.lower(ts, env_state).compile())
+    compile_pool.shutdown(wait=False)
   if start_chunk == 0:
     t0 = time.perf_counter()
     ev = jax.device_get(trainer.evaluate(ts.params, ts.obs_stats, jax.random.fold_in(eval_key, 0)))
     compile_s += time.perf_counter() - t0
     log_record(0, dict(ev, **{"timing/eval_s": time.perf_counter() - t0, "sps": 0.0}))
+    if on_eval is not None:
+      on_eval(0, ts, history[-1])
+  if chunk_compiled is not None:
+    t0 = time.perf_counter()
+    chunk_compiled.result()
+    compile_s += time.perf_counter() - t0
 
   skipped_before = int(ts.skipped_updates)
   first_train_s = None
@@ -629,6 +668,8 @@ def train(
       })
       log_record(chunk, record)
       save(chunk)
+      if on_eval is not None:
+        on_eval(chunk, ts, history[-1])
       skipped = int(ts.skipped_updates)
       if skipped > skipped_before:
         which = [k.split("/")[1] for k in ("nonfinite/reward", "nonfinite/observation",

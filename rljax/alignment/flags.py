@@ -1,0 +1,67 @@
+"""absl flags shared by the alignment scripts (``experiments/train_{sft,reward_model,rlhf}.py``).
+
+Each ``define_*`` function defines its flags once, in the calling script's process, and returns
+a small object that turns the parsed values into the keyword arguments the library takes, so the
+three scripts accept the same names with the same meanings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from absl import flags
+
+
+@dataclasses.dataclass(frozen=True)
+class DataFlags:
+  """The preference-data flags: prompt budget and tokenizer."""
+
+  max_prompt_len: Any
+  overlong_prompts: Any
+  tokenizer: Any
+  vocab_size: Any
+
+  def overrides(self) -> dict[str, Any]:
+    """``rljax.alignment.pipeline.PreferenceConfig`` fields set on the command line."""
+    out = {"overlong_prompts": self.overlong_prompts.value}
+    for key in ("max_prompt_len", "tokenizer", "vocab_size"):
+      value = getattr(self, key).value
+      if value is not None:
+        out[key] = value
+    return out
+
+
+def define_data_flags() -> DataFlags:
+  """``--max_prompt_len``, ``--overlong_prompts``, ``--tokenizer``, ``--vocab_size``."""
+  return DataFlags(
+      max_prompt_len=flags.DEFINE_integer(
+          "max_prompt_len", None, "Prompt length limit in tokens."),
+      overlong_prompts=flags.DEFINE_enum(
+          "overlong_prompts", "truncate", ["truncate", "reject"],
+          "Prompts longer than --max_prompt_len (or the model's context minus the response "
+          "length): keep their last tokens, or stop with an error."),
+      tokenizer=flags.DEFINE_string(
+          "tokenizer", None, "Tokenizer folder (tokenizer.json) instead of training a BPE one."),
+      vocab_size=flags.DEFINE_integer(
+          "vocab_size", None, "Model vocabulary (with --tokenizer)."),
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshFlags:
+  """``--mesh`` and ``--sharding_rules`` (see ``rljax.alignment.pipeline.make_placement``)."""
+
+  mesh: Any
+  sharding_rules: Any
+
+
+def define_mesh_flags(mesh_help: str = "Device mesh D,F,T (data, fsdp, tensor sizes); default: "
+                      "all devices on data.",
+                      rules_help: str = "Sharding preset: fsdp, fsdp_tp or dp "
+                      "(rljax.sharding.rules).") -> MeshFlags:
+  """``--mesh=D,F,T`` and ``--sharding_rules=PRESET`` (default ``fsdp``)."""
+  return MeshFlags(
+      mesh=flags.DEFINE_string("mesh", None, mesh_help),
+      sharding_rules=flags.DEFINE_string("sharding_rules", "fsdp", rules_help),
+  )

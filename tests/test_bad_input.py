@@ -1,0 +1,149 @@
+"""Bad input to the RLHF-side scripts (train_rlhf.py, train_sft.py, train_reward_model.py):
+each case fails before anything compiles, exits 2 with a one-line message naming the bad
+value (a traceback only with --verbose), and leaves an existing run's checkpoints untouched.
+
+Library-level errors are tested where they are raised (tests/test_text_data.py: data files;
+tests/test_hf_io.py: unsupported model_type, shape-mismatched tensors; no script loads a
+Hugging Face model folder yet, so those have no script case here).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rljax.alignment import pipeline
+from rljax.envs.text import data
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOOD = [json.dumps({"prompt": f"Question number {i} about things?", "chosen": "Yes, sure.",
+                    "rejected": "No."}) for i in range(8)]
+
+
+def _script(name):
+  return os.path.join(REPO, "experiments", name)
+
+
+def _write(path, lines):
+  with open(path, "wb") as f:
+    for line in lines:
+      f.write(line if isinstance(line, bytes) else (line + "\n").encode())
+  return str(path)
+
+
+@pytest.fixture
+def existing_run(tmp_path):
+  """A logdir holding an (embedded, default-config) run's checkpoint files."""
+  logdir = tmp_path / "run"
+  cfg = pipeline.EmbeddedConfig(rl=pipeline.default_rl_config("ppo"))
+  from rljax.alignment import checkpointing
+
+  saved = checkpointing.config_to_json(cfg)
+  saved["sft_steps"] = 7  # differs from the flags' config
+  (logdir / "checkpoints" / "3").mkdir(parents=True)
+  (logdir / "checkpoints" / "config.json").write_text(json.dumps({"rlhf_embedded": saved}))
+  (logdir / "checkpoints" / "3" / "payload").write_bytes(b"\x00\x01checkpoint bytes")
+  return logdir
+
+
+def _snapshot(logdir):
+  out = {}
+  for d, _, files in os.walk(logdir / "checkpoints"):
+    for f in files:
+      p = os.path.join(d, f)
+      out[p] = open(p, "rb").read()
+  return out
+
+
+def _cases(tmp_path, existing):
+  bad_json = _write(tmp_path / "bad.jsonl", [GOOD[0], "{not json"])
+  bad_utf8 = _write(tmp_path / "utf8.jsonl", [GOOD[0], b'{"prompt": "\xff\xfe"}\n'])
+  no_rejected = _write(tmp_path / "norej.jsonl",
+                       [json.dumps({"prompt": "Q?", "chosen": "A"})])
+  empty = _write(tmp_path / "empty.jsonl", ["", "  "])
+  good = _write(tmp_path / "good.jsonl", GOOD)
+  tok_dir = str(tmp_path / "tok")
+  data.save_tokenizer(data.train_bpe_tokenizer([l for l in GOOD] * 4, vocab_size=300), tok_dir)
+  blocker = tmp_path / "a_file"
+  blocker.write_text("x")
+  e = f"--logdir={existing}"
+  return {
+      "unknown_algo": ("train_rlhf.py", ["--algo=grp"],
+                       "--algo 'grp' is not one of ppo, grpo, rloo, reinforce_pp; did you mean "
+                       "'grpo'"),
+      "logdir_not_writable": ("train_rlhf.py", [f"--logdir={blocker}/sub"], "is not writable"),
+      "malformed_json": ("train_rlhf.py", [f"--preference_data={bad_json}",
+                                            f"--logdir={tmp_path}/new"],
+                         "bad.jsonl:2: malformed JSON"),
+      "invalid_utf8": ("train_sft.py", [f"--preference_data={bad_utf8}", e],
+                       "utf8.jsonl:2: invalid UTF-8"),
+      "missing_rejected": ("train_reward_model.py", [f"--preference_data={no_rejected}", e],
+                           "norej.jsonl:1: missing key 'rejected'"),
+      "empty_dataset": ("train_rlhf.py", [f"--preference_data={empty}",
+                                           f"--logdir={tmp_path}/new"],
+                        "empty.jsonl: empty dataset"),
+      "missing_file": ("train_reward_model.py", [f"--preference_data={tmp_path}/nope.jsonl", e],
+                       "does not exist"),
+      "overlong_prompts_rejected": (
+          "train_rlhf.py", [f"--preference_data={good}", "--max_prompt_len=3",
+                            "--overlong_prompts=reject", f"--logdir={tmp_path}/new"],
+          "7 of 7 prompts are longer than 3 tokens"),  # 7 of 8 pairs train (90/10 split)
+      "tokenizer_exceeds_vocab": (
+          "train_sft.py", [f"--preference_data={good}", f"--tokenizer={tok_dir}",
+                           "--vocab_size=50", f"--logdir={tmp_path}/new2"],
+          "more than the model's vocab_size 50"),
+      "config_mismatch": ("train_rlhf.py", [e],
+                          "holds a run with a different config (sft_steps: saved 7, now 150)"),
+      "existing_run_without_resume": ("train_rlhf.py", [e, "--noresume"],
+                                      "already holds an RLHF run; pass --resume"),
+      "checkpoint_every": ("train_rlhf.py", ["--checkpoint_every=0"],
+                           "--checkpoint_every must be >= 1, got 0"),
+  }
+
+
+CASES = ["unknown_algo", "logdir_not_writable", "malformed_json", "invalid_utf8",
+         "missing_rejected", "empty_dataset", "missing_file", "overlong_prompts_rejected",
+         "tokenizer_exceeds_vocab", "config_mismatch", "existing_run_without_resume",
+         "checkpoint_every"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_exits_2_with_message_before_compiling(case, tmp_path, existing_run):
+  script, args, message = _cases(tmp_path, existing_run)[case]
+  before = _snapshot(existing_run)
+  cmd = [sys.executable, _script(script), *args, "--nocompilation_cache"
+         if script == "train_rlhf.py" else "--seed=0"]
+  out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+  assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+  assert message in out.stderr, out.stderr[-2000:]
+  assert "Traceback" not in out.stderr
+  assert out.stderr.strip().splitlines()[-1].startswith("error: ")
+  assert _snapshot(existing_run) == before  # nothing written over an existing run
+
+
+def test_verbose_shows_the_traceback(tmp_path, existing_run):
+  script, args, message = _cases(tmp_path, existing_run)["malformed_json"]
+  out = subprocess.run([sys.executable, _script(script), *args, "--verbose"],
+                       capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+  assert out.returncode == 2
+  assert "Traceback" in out.stderr and message in out.stderr
+
+
+def test_overlong_prompts_truncated_with_a_count():
+  lines = []
+  out = pipeline.check_prompt_lengths([[1, 2, 3, 4, 5], [1, 2], [9, 8, 7, 6]], max_prompt_len=3,
+                                      context=2048, response_len=8, mode="truncate",
+                                      log=lines.append)
+  assert out == [[3, 4, 5], [1, 2], [8, 7, 6]]  # the last 3 tokens of each long prompt
+  assert lines == ["2 of 3 prompts are longer than 3 tokens (max_prompt_len 3, model context "
+                   "2048 - response length 8; the longest has 5): truncated to their last 3 "
+                   "tokens"]
+  # The context is the limit when it is the smaller one: 10 - 8 = 2 tokens.
+  assert pipeline.check_prompt_lengths([[1, 2, 3]], max_prompt_len=64, context=10,
+                                       response_len=8, mode="truncate",
+                                       log=lines.append) == [[2, 3]]
+  with pytest.raises(ValueError, match="context of 8 tokens leaves no room for a prompt"):
+    pipeline.check_prompt_lengths([[1]], max_prompt_len=4, context=8, response_len=8,
+                                  mode="truncate")

@@ -1,0 +1,86 @@
+"""Training on 2 local processes (jax.distributed on 127.0.0.1) equals training on 1.
+
+One 2-process run and one 1-process run of tests/_dist_train_worker.py, started together:
+a control PPO chunk (environments split over the processes), an RLHF PPO step (colocated,
+fsdp rules over both processes' devices), and a checkpoint saved by the 2 processes that the
+1-process run restores on its 1-device mesh.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+WORKER = os.path.join(os.path.dirname(__file__), "_dist_train_worker.py")
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _env():
+  env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  return env
+
+
+def _result(out: str) -> dict:
+  line = [l for l in out.splitlines() if l.startswith("RESULT ")]
+  assert line, out[-3000:]
+  return json.loads(line[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  logdir = str(tmp_path_factory.mktemp("dist"))
+  port = _free_port()
+  cmd = [sys.executable, WORKER, f"--logdir={logdir}"]
+  multi = [subprocess.Popen(
+      cmd + [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}",
+             "--heartbeat_timeout_s=20"],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()) for i in range(2)]
+  one = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+  try:
+    outs = [p.communicate(timeout=600) for p in (*multi, one)]
+  finally:
+    for p in (*multi, one):
+      if p.poll() is None:
+        p.kill()
+  for p, (out, err) in zip((*multi, one), outs):
+    assert p.returncode == 0, out[-2000:] + err[-4000:]
+  return [_result(out) for out, _ in outs]
+
+
+def test_two_processes_span_both_devices(runs):
+  assert runs[0]["process"] == [0, 2, 2] and runs[1]["process"] == [1, 2, 2]
+  assert runs[2]["process"] == [0, 1, 1]
+  assert runs[0]["obs_spec"] == "P('data',)"    # 4 environments: 2 on each process
+
+
+def test_control_chunk_equals_one_process(runs):
+  one = runs[2]
+  for r in runs[:2]:
+    assert abs(r["loss"] - one["loss"]) < 1e-5
+    assert max(abs(a - b) for a, b in zip(r["params"], one["params"])) < 1e-5
+
+
+def test_rlhf_step_equals_one_process(runs):
+  one = runs[2]["rlhf"]
+  for r in (x["rlhf"] for x in runs[:2]):
+    assert max(abs(a - b) for a, b in zip(r["params"], one["params"])) < 1e-5
+    bad = {k: (v, one["metrics"][k]) for k, v in r["metrics"].items()
+           if not abs(v - one["metrics"][k]) < 1e-5}
+    assert not bad, bad
+
+
+def test_two_process_checkpoint_restores_in_one_process(runs):
+  r = runs[2]["restore"]
+  assert r["step"] == 1 and r["num_leaves"][0] == r["num_leaves"][1] > 10
+  assert r["shapes_equal"] and r["max_diff"] == 0.0   # params, optimizer, data-sharded env state

@@ -1,0 +1,176 @@
+"""RLHF trainer reliability: exact resume after SIGKILL/SIGTERM, truncated checkpoints,
+determinism (rljax/alignment/checkpointing.py, experiments/train_rlhf.py)."""
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from rljax import checkpoint as ckpt
+from rljax.alignment import checkpointing
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "experiments", "train_rlhf.py")
+
+# The embedded default (addition task, tiny Llama-style LM, PPO with a critic) with no
+# pre-training/SFT and no accuracy evaluation: 6 RL steps of 8 prompts, a checkpoint after
+# every step.
+LAST_STEP = 6
+FLAGS = ["--pretrain_steps=0", "--sft_steps=0", "--num_eval_prompts=0",
+         f"--num_steps={LAST_STEP}", "--prompts_per_step=8", "--checkpoint_every=1",
+         "--keep_checkpoints=10"]
+
+
+def _cmd(logdir, cache):
+  # One persistent compilation cache for the module: later runs load the programs the first
+  # compiled (the same executables, so the results are unchanged).
+  return [sys.executable, SCRIPT, f"--logdir={logdir}", f"--compilation_cache_dir={cache}",
+          *FLAGS]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("jax_cache"))
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, cache):
+  """An uninterrupted run of the same command."""
+  logdir = str(tmp_path_factory.mktemp("ref") / "run")
+  out = subprocess.run(_cmd(logdir, cache), capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return logdir
+
+
+def _final_items(logdir):
+  step, policy, train = checkpointing.load_state_items(logdir, step=LAST_STEP)
+  assert step == LAST_STEP
+  assert any(k.startswith("['critic']") for k in train) and "key" in train
+  return policy, train
+
+
+def _assert_items_equal(a, b):
+  """Bitwise: actor params (policy item) and critic params, optimizer states, KL state, step,
+  data position and PRNG key (train_state item)."""
+  for x, y in zip(a, b):
+    assert sorted(x) == sorted(y)
+    for k in x:
+      np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+
+
+def _rl_records(logdir):
+  """metrics.jsonl's RL records without wall times (which differ between runs)."""
+  return [{k: v for k, v in r.items() if not k.startswith("timing/")}
+          for r in checkpointing.rl_history(os.path.join(logdir, "metrics.jsonl"))]
+
+
+def _wait_for_checkpoint(logdir, step, proc, timeout=300):
+  path = os.path.join(logdir, "checkpoints", str(step))
+  t0 = time.time()
+  while not os.path.isdir(path):
+    assert proc.poll() is None, f"training exited early: {proc.communicate()}"
+    assert time.time() - t0 < timeout, f"no checkpoint {step} after {timeout} s"
+    time.sleep(0.01)
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_is_bitwise_exact(reference_run, cache, tmp_path):
+  logdir = str(tmp_path / "run")
+  kill_after = random.Random().randint(1, LAST_STEP - 2)  # an arbitrary step
+  proc = subprocess.Popen(_cmd(logdir, cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+  _wait_for_checkpoint(logdir, kill_after, proc)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait(timeout=60)
+  assert proc.returncode == -signal.SIGKILL
+  saved = sorted(int(d) for d in os.listdir(os.path.join(logdir, "checkpoints")) if d.isdigit())
+  assert kill_after <= saved[-1] < LAST_STEP, saved
+  out = subprocess.run(_cmd(logdir, cache), capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert f"resuming {logdir} after RL step {saved[-1]}" in out.stdout, out.stdout[-2000:]
+  assert "loaded the SFT model from" in out.stdout  # the frozen reference, not re-trained
+  _assert_items_equal(_final_items(logdir), _final_items(reference_run))
+  # The metrics of every step (rewards, KL, losses, ...) equal the uninterrupted run's too.
+  assert _rl_records(logdir) == _rl_records(reference_run)
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference_run, cache, tmp_path):
+  logdir = str(tmp_path / "run")
+  proc = subprocess.Popen(_cmd(logdir, cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+  _wait_for_checkpoint(logdir, 1, proc)
+  proc.send_signal(signal.SIGTERM)
+  _, stderr = proc.communicate(timeout=300)
+  assert proc.returncode == ckpt.EXIT_PREEMPTED == 75, stderr[-3000:]
+  assert "preempted by SIGTERM; checkpointed step" in stderr
+  saved = sorted(int(d) for d in os.listdir(os.path.join(logdir, "checkpoints")) if d.isdigit())
+  assert saved[-1] < LAST_STEP
+  assert f"checkpointed step {saved[-1]} in {logdir}; exiting with status 75" in stderr
+  out = subprocess.run(_cmd(logdir, cache), capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  _assert_items_equal(_final_items(logdir), _final_items(reference_run))
+  assert _rl_records(logdir) == _rl_records(reference_run)
+
+
+def _truncate_largest_file(directory):
+  files = [os.path.join(d, f) for d, _, fs in os.walk(directory) for f in fs]
+  target = max(files, key=os.path.getsize)
+  with open(target, "r+b") as f:
+    f.truncate(os.path.getsize(target) // 2)
+
+
+@pytest.mark.slow
+def test_truncated_newest_checkpoint_falls_back_to_previous(reference_run, tmp_path):
+  logdir = str(tmp_path / "run")
+  shutil.copytree(reference_run, logdir)
+  _truncate_largest_file(os.path.join(logdir, "checkpoints", str(LAST_STEP), "train_state"))
+  _, policy_prev, train_prev = checkpointing.load_state_items(logdir, step=LAST_STEP - 1)
+  lines = []
+  # The restore the trainer runs on resume (templates: any tree of the same structure).
+  with ckpt.make_manager(logdir, max_to_keep=10) as manager:
+    step, policy, train = ckpt.restore(manager, policy_prev, train_prev, log=lines.append)
+    assert step == LAST_STEP - 1, lines
+    assert max(manager.all_steps()) == LAST_STEP - 1  # the bad one is set aside...
+  assert any(f"checkpoint {LAST_STEP} in" in l and "unreadable, skipping it" in l
+             for l in lines), lines
+  assert os.path.isdir(os.path.join(logdir, "checkpoints", f"{LAST_STEP}.unreadable"))  # ...kept
+  for k in policy_prev:
+    np.testing.assert_array_equal(np.asarray(policy[k]), policy_prev[k])
+  for k in train_prev:
+    np.testing.assert_array_equal(np.asarray(train[k]), train_prev[k])
+
+
+@pytest.mark.slow
+def test_same_seed_gives_identical_rollouts_and_metrics():
+  # Two runs of 2 steps from the same seed's initial state, on one trainer (one compilation;
+  # across processes the subprocess tests above compare every step's metrics as well).
+  from test_rlhf import _trainer
+
+  from rljax import ppo
+
+  tr = _trainer(algo="ppo", num_steps=2, adaptive_kl=True,
+                ppo=ppo.PPOConfig(num_epochs=1, num_minibatches=2))
+  init = checkpointing.state_items(tr.state)
+  init = tuple({k: np.array(v) for k, v in item.items()} for item in init)
+  runs = []
+  for _ in range(2):
+    tr.state = checkpointing.state_from_items(tr.state, *init)
+    recs, tokens = [], []
+    for _ in range(2):
+      rec = tr.step()
+      recs.append({k: v for k, v in rec.items() if not k.startswith("timing/")})
+      tokens.append(tr.last_batch["response_tokens"].copy())
+    runs.append((recs, tokens, checkpointing.state_items(tr.state)))
+  (recs_a, tok_a, items_a), (recs_b, tok_b, items_b) = runs
+  for a, b in zip(tok_a, tok_b):
+    np.testing.assert_array_equal(a, b)
+  assert recs_a == recs_b
+  assert not np.array_equal(tok_a[0], tok_a[1])  # the key stream advanced between steps
+  _assert_items_equal(items_a, items_b)
