@@ -129,9 +129,9 @@ def start_watchdog(*, timeout_s: float, interval_s: float | None = None,
   the coordination service's key-value store and reads the others'. A process whose counter has
   not changed for ``timeout_s`` seconds (measured on this process's clock, so hosts' clocks need
   not agree), or an unreachable coordinator (process 0), counts as lost unless it exited normally
-  (an ``atexit`` hook marks that; before it does, it waits up to ``timeout_s`` for every peer to
-  beat once more, so a peer whose death ended this process's main thread through a failed
-  collective is still named). Then one line naming the lost process ids is written to stderr
+  (an ``atexit`` hook marks that, then waits up to ``timeout_s`` for every peer to mark it too,
+  so a peer whose death ended this process's main thread through a failed collective is still
+  named). Then one line naming the lost process ids is written to stderr
   and ``exit_fn(EXIT_LOST_PROCESS)`` is called (``os._exit``: the collectives in flight would
   otherwise wait on the dead peer until JAX's own heartbeat timeout).
 
@@ -178,11 +178,13 @@ def start_watchdog(*, timeout_s: float, interval_s: float | None = None,
         if pid != 0:
           lost([0], f"the coordinator is unreachable: {type(e).__name__}: {str(e)[:200]}")
           return
-        continue
+        # The coordinator's own service is failing (it does once it has noticed a dead
+        # task, or after a collective with it failed): judge by the last beats seen.
+        beats = None
       now = time.monotonic()
       silent = []
       for j, (value, since) in list(seen.items()):
-        if beats.get(j) != value:
+        if beats is not None and beats.get(j) != value:
           seen[j] = (beats.get(j), now)
         elif j not in done and now - since > timeout_s:
           silent.append((j, now - since))
@@ -194,19 +196,19 @@ def start_watchdog(*, timeout_s: float, interval_s: float | None = None,
   def at_exit():
     # A dead peer often shows first as a failed collective that ends the main thread; JAX's
     # shutdown barrier would then wait for its own heartbeat timeout and abort without naming
-    # it. So before exiting, wait until every peer has beaten once more or exited normally;
-    # the loop names a silent one meanwhile (and exits this process).
-    start = {j: v for j, (v, _) in seen.items()}
-    deadline = time.monotonic() + timeout_s + 3 * interval_s
-    while time.monotonic() < deadline and thread.is_alive():
-      if all(j in done or seen[j][0] != start[j] for j in start):
-        break
-      time.sleep(interval_s / 2)
-    stop.set()
+    # it. So mark this process done, then wait until every peer has marked itself done too;
+    # the loop names a peer that stays silent meanwhile (and exits this process). A beat
+    # seen late does not count as alive: it may have been written just before the peer died.
     try:
       client.key_value_set(f"{_DONE_DIR}{pid}", "1", allow_overwrite=True)
     except Exception:  # pragma: no cover - the coordinator is already gone
       pass
+    deadline = time.monotonic() + timeout_s + 3 * interval_s
+    while time.monotonic() < deadline and thread.is_alive():
+      if all(j in done for j in seen):
+        break
+      time.sleep(interval_s / 2)
+    stop.set()
 
   thread = threading.Thread(target=loop, name="rljax-distributed-watchdog", daemon=True)
   thread.start()
