@@ -27,6 +27,7 @@ import time
 
 from absl import app, flags
 
+from rljax import checkpoint as ckpt_lib
 from rljax import run_info, runtime
 from rljax.sharding import distributed
 
@@ -51,6 +52,7 @@ _RULES = flags.DEFINE_string(
     "always replicated; environments and batches are split over the data and fsdp axes."
 )
 distributed.define_flags()
+_DEVICE_MEMORY = ckpt_lib.define_device_memory_flag()
 _RESUME = flags.DEFINE_bool(
     "resume", True, "Continue from the newest checkpoint in --logdir when there is one."
 )
@@ -203,6 +205,9 @@ def main(argv):
     from rljax.checkpoint import check_writable
 
     check_writable(logdir)
+    if _RESUME.value:  # a mesh that cannot hold the saved state fails here, before building
+      ckpt_lib.check_fits(logdir, num_devices=mesh.size if mesh is not None else 1,
+                          device_bytes=ckpt_lib.device_bytes_from_flag(_DEVICE_MEMORY.value))
     run_info.start_run(logdir, config, use_wandb=_WANDB.value, extra={"algo": _ALGO.value})
     if _CACHE.value:
       runtime.enable_compilation_cache(_CACHE_DIR.value)

@@ -1,9 +1,11 @@
 r"""Bradley-Terry reward model on preference pairs; reports held-out accuracy with a 95% CI.
 
     python experiments/train_reward_model.py --preference_data=../shared/data/hh-rlhf-harmless-base-test.jsonl.gz
+    python experiments/train_reward_model.py --preference_data=PATH --model=HF_FOLDER
 
 Tokenizer trained on the data, pre-training and SFT on the chosen side, then the reward model
-(from the SFT model) on a 90/10 split. Library code: rljax.alignment.reward_model and
+(from the SFT model) on a 90/10 split. With --model (a Hugging Face Llama/Qwen2 folder) the
+tokenizer and the initial weights come from that model and pre-training is skipped. Library code: rljax.alignment.reward_model and
 rljax.alignment.pipeline. User errors exit 2.
 """
 
@@ -32,7 +34,7 @@ _MESH_FLAGS = alignment_flags.define_mesh_flags()
 distributed.define_flags()
 _WANDB = run_info.define_wandb_flag()
 
-# Preference data: prompt budget, tokenizer (rljax.alignment.flags).
+# Preference data: prompt budget, tokenizer, --model (rljax.alignment.flags).
 _DATA_FLAGS = alignment_flags.define_data_flags()
 
 

@@ -3,6 +3,7 @@ r"""RLHF: SFT -> (reward model) -> RL with PPO, GRPO, RLOO or REINFORCE++.
     python experiments/train_rlhf.py                      # embedded default, < 10 min on 2 CPUs
     python experiments/train_rlhf.py --algo=grpo
     python experiments/train_rlhf.py --preference_data=../shared/data/hh-rlhf-harmless-base-test.jsonl.gz
+    python experiments/train_rlhf.py --preference_data=PATH --model=HF_FOLDER  # pretrained start
 
 With no flags: a tiny Llama-style LM is pre-trained briefly on code-generated additions
 ("a+b=c"), fine-tuned on "a+b=" -> "c", then trained with RL against a programmatic reward
@@ -11,13 +12,16 @@ steps and greedy exact-match accuracy on held-out problems before and after RL.
 
 With --preference_data: a BPE tokenizer trained on the data, pre-training on the dialogues,
 SFT on the chosen responses, a Bradley-Terry reward model on a 90/10 split (held-out accuracy
-with a 95% CI), then PPO against that reward model.
+with a 95% CI), then PPO against that reward model. With --model (a Hugging Face Llama/Qwen2
+folder, as OpenRLHF's --pretrain) the tokenizer and the initial weights of the actor, the
+reference and the reward model's and critic's trunks come from it; no pre-training.
 
 Everything lives in rljax.alignment.pipeline; this script parses flags. User errors exit with
 status 2 and one line (--verbose for a traceback).
 
 Checkpoints (rljax.alignment.checkpointing): every --checkpoint_every RL steps; running the same
-command with the same --logdir resumes exactly. Exit status: 0 done; 2 bad input; 75
+command with the same --logdir resumes exactly. Exit status: 0 done; 2 bad input; 3 halted on a
+non-finite reward, loss or gradient (--nonfinite=halt; the last good state is checkpointed); 75
 (EXIT_PREEMPTED) stopped by SIGTERM after writing a checkpoint: run the same command again.
 """
 
@@ -30,6 +34,7 @@ import time
 
 from absl import app, flags
 
+from rljax import checkpoint as ckpt_lib
 from rljax import run_info, runtime
 from rljax.alignment import flags as alignment_flags
 from rljax.sharding import distributed
@@ -51,6 +56,9 @@ _ACTOR_LR = flags.DEFINE_float("actor_lr", None, "Actor (policy) Adam learning r
 _CLIP_HIGH = flags.DEFINE_float("clip_eps_high", None, "DAPO clip-higher upper clip range.")
 _OVERLONG = flags.DEFINE_integer("overlong_buffer", None, "DAPO overlong buffer (tokens; 0 = off).")
 _LIMIT = flags.DEFINE_integer("limit", None, "Read at most this many preference pairs.")
+_NONFINITE = flags.DEFINE_enum(
+    "nonfinite", None, ["skip", "halt"], "A non-finite reward, loss or gradient: skip that "
+    "update with a warning, or halt (exit 3) after checkpointing the last good state.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed.")
 _CACHE = flags.DEFINE_bool("compilation_cache", True, "Use JAX's persistent compilation cache.")
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Print tracebacks for user errors.")
@@ -64,22 +72,27 @@ _RULES = flags.DEFINE_string("sharding_rules", "fsdp",
 _PLACEMENT = flags.DEFINE_string(
     "placement", "colocated", "colocated (all roles on one mesh; the actor is resharded from the "
     "training layout to tp for generation) or disaggregated (generation on separate devices).")
+_OFFLOAD = flags.DEFINE_bool(
+    "offload_frozen", False, "Keep the frozen roles (reference, reward model) in host memory "
+    "(pinned_host) between uses, freeing device memory on GPU/TPU; on CPU it is the same RAM.")
 distributed.define_flags()
 # Checkpoints, resume and preemption (names as in train_control.py).
+_DEVICE_MEMORY = ckpt_lib.define_device_memory_flag()
 _RESUME = flags.DEFINE_bool(
     "resume", True, "Continue from the newest checkpoint in --logdir when there is one.")
 _CKPT_EVERY = flags.DEFINE_integer("checkpoint_every", 10, "RL steps between checkpoints.")
 _KEEP = flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept (the newest).")
 _CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", None,
                                  "Cache directory (default ~/.cache/rljax).")
-# Stage sizes of the embedded default (tests and quick runs use small ones).
-_PRETRAIN = flags.DEFINE_integer("pretrain_steps", None, "Embedded: pre-training steps.")
-_SFT_STEPS = flags.DEFINE_integer("sft_steps", None, "Embedded: SFT steps.")
+# Stage sizes (tests and quick runs use small ones).
+_PRETRAIN = flags.DEFINE_integer("pretrain_steps", None, "Pre-training steps (both pipelines).")
+_SFT_STEPS = flags.DEFINE_integer("sft_steps", None, "SFT steps (both pipelines).")
+_RM_STEPS = flags.DEFINE_integer("rm_steps", None, "--preference_data: reward-model steps.")
 _EVAL_PROMPTS = flags.DEFINE_integer(
     "num_eval_prompts", None, "Embedded: held-out problems for greedy accuracy (0 = none).")
 _PPS = flags.DEFINE_integer("prompts_per_step", None, "Prompts per RL step.")
 
-# Preference data: prompt budget, tokenizer (rljax.alignment.flags).
+# Preference data: prompt budget, tokenizer, --model (rljax.alignment.flags).
 _DATA_FLAGS = alignment_flags.define_data_flags()
 
 
@@ -88,7 +101,7 @@ def rl_overrides() -> dict:
   for key, flag in (("num_steps", _STEPS), ("kl_coef", _KL), ("kl_estimator", _KL_EST),
                     ("kl_placement", _KL_IN), ("adaptive_kl", _ADAPTIVE), ("kl_target", _KL_TARGET),
                     ("overlong_buffer", _OVERLONG), ("kl_horizon", _KL_HORIZON),
-                    ("actor_lr", _ACTOR_LR)):
+                    ("actor_lr", _ACTOR_LR), ("nonfinite", _NONFINITE)):
     if flag.value is not None:
       out[key] = flag.value
   return out
@@ -132,12 +145,14 @@ def main(argv):
     distributed.initialize_from_flags()  # no-op for one process outside SLURM
     check_algo(_ALGO.value)
     check_checkpoint_flags()
-    placement = pipeline.make_placement(_MESH.value, _RULES.value, _PLACEMENT.value)
+    placement = pipeline.make_placement(_MESH.value, _RULES.value, _PLACEMENT.value,
+                                        offload_frozen=_OFFLOAD.value)
     logdir = _LOGDIR.value or os.path.join(
         "runs", f"rlhf-{_ALGO.value}-{time.strftime('%Y%m%d-%H%M%S')}")
     overrides = rl_overrides()
     if _PPS.value is not None:
       overrides["prompts_per_step"] = _PPS.value
+    _DATA_FLAGS.check_data(_DATA.value)
     if _DATA.value is None:
       rl = pipeline.default_rl_config(_ALGO.value, **overrides)
       if _CLIP_HIGH.value is not None:
@@ -152,11 +167,23 @@ def main(argv):
       rl = dataclasses.replace(base.rl, algo=_ALGO.value, group_size=group, **overrides)
       if _CLIP_HIGH.value is not None:
         rl = dataclasses.replace(rl, ppo=dataclasses.replace(rl.ppo, clip_eps_high=_CLIP_HIGH.value))
+      stages = {k: v for k, v in stage_overrides().items() if k != "num_eval_prompts"}
+      if _RM_STEPS.value is not None:
+        stages["rm_steps"] = _RM_STEPS.value
       config = dataclasses.replace(base, rl=rl, limit=_LIMIT.value, seed=_SEED.value,
-                                   **_DATA_FLAGS.overrides())
+                                   **_DATA_FLAGS.overrides(), **stages)
     pipeline.check_placement(placement, rl=config.rl,
                              batch_sizes={"batch_size": config.batch_size})  # before compiling
     check_writable(logdir)
+    if _RESUME.value:  # a mesh that cannot hold the saved state fails here, before building
+      import jax
+
+      from rljax.alignment import checkpointing as ckpting
+
+      ckpt_lib.check_fits(
+          logdir, num_devices=1 if placement is None else jax.device_count(),
+          device_bytes=ckpt_lib.device_bytes_from_flag(_DEVICE_MEMORY.value),
+          extra_items=(os.path.join(ckpting.frozen_dir(logdir), "roles"),))
     run_info.start_run(logdir, config, use_wandb=_WANDB.value)
     if _CACHE.value:
       runtime.enable_compilation_cache(_CACHE_DIR.value)
@@ -171,6 +198,9 @@ def main(argv):
       except checkpointing.Preempted as e:
         print(f"{e}; exiting with status {ckpt.EXIT_PREEMPTED}", file=sys.stderr)
         return ckpt.EXIT_PREEMPTED
+      except checkpointing.rlhf.NonFiniteHalt as e:  # exit status 3, as train_control.py
+        print(f"error: {e}", file=sys.stderr)
+        return 3
 
   runtime.run_main(run, verbose=_VERBOSE.value)
 

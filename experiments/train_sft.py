@@ -2,6 +2,7 @@ r"""Supervised fine-tuning (loss on response tokens only).
 
     python experiments/train_sft.py                        # embedded addition task
     python experiments/train_sft.py --preference_data=PATH # SFT on the chosen responses
+    python experiments/train_sft.py --preference_data=PATH --model=HF_FOLDER  # from a pretrained HF model
 
 Library code: rljax.alignment.sft and rljax.alignment.pipeline. User errors exit 2.
 """
@@ -30,7 +31,7 @@ _MESH_FLAGS = alignment_flags.define_mesh_flags()
 distributed.define_flags()
 _WANDB = run_info.define_wandb_flag()
 
-# Preference data: prompt budget, tokenizer (rljax.alignment.flags).
+# Preference data: prompt budget, tokenizer, --model (rljax.alignment.flags).
 _DATA_FLAGS = alignment_flags.define_data_flags()
 
 
@@ -47,6 +48,7 @@ def main(argv):
     logdir = _LOGDIR.value or os.path.join("runs", f"sft-{time.strftime('%Y%m%d-%H%M%S')}")
     if _STEPS.value is not None and _STEPS.value < 1:
       raise ValueError(f"--num_steps must be >= 1, got {_STEPS.value}")
+    _DATA_FLAGS.check_data(_DATA.value)
     check_writable(logdir)
     runtime.enable_compilation_cache()
     if _DATA.value is None:

@@ -28,6 +28,13 @@ CONFIG_FILE = "config.json"
 # Exit status of a run stopped by SIGTERM (SLURM preemption) after checkpointing:
 # EX_TEMPFAIL from sysexits.h, "try again later". Shared by the control and RLHF scripts.
 EXIT_PREEMPTED = 75
+# Exit status of a run stopped by a non-finite value with ``nonfinite="halt"``.
+EXIT_NONFINITE = 3
+
+
+class NonFiniteHalt(RuntimeError):
+  """Raised with ``nonfinite="halt"`` (control and RLHF trainers) after checkpointing the last
+  good state; the scripts exit with :data:`EXIT_NONFINITE`."""
 
 
 def checkpoint_dir(logdir: str) -> str:
@@ -61,7 +68,11 @@ def make_manager(logdir: str, *, max_to_keep: int = 3) -> ocp.CheckpointManager:
   """A ``CheckpointManager`` over ``<logdir>/checkpoints`` with items policy/train_state."""
   return ocp.CheckpointManager(
       checkpoint_dir(logdir),
-      options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+      # Synchronous saves: every save is waited for anyway, and with several processes an
+      # async save's background finalisation (orbax's cross-process broadcasts) could
+      # interleave with the next step's collectives on another thread.
+      options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+                                           enable_async_checkpointing=False),
       item_names=("policy", "train_state"),
   )
 
@@ -83,12 +94,63 @@ def from_saveable(template: Any, saved: dict[str, Any]) -> Any:
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+def _all_devices_replicated():
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("processes",))
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def _process_local(x: Any) -> bool:
+  """A jax.Array that lives on this process's devices only, in a multi-process run."""
+  return (jax.process_count() > 1 and isinstance(x, jax.Array)
+          and x.is_fully_addressable)
+
+
+def globalize(tree: Any) -> Any:
+  """Arrays held by one process only, as arrays replicated over all processes' devices.
+
+  Orbax saves and restores global arrays in a multi-process run; a process-local array
+  (e.g. an RNG count variable, or a model kept off the mesh) would be refused. Each process
+  must hold the same value (true for state computed identically on every process). Global
+  arrays, numpy arrays and scalars pass through, as does everything with one process.
+  """
+  if jax.process_count() == 1:
+    return tree
+  rep = _all_devices_replicated()
+
+  def put(x):
+    if not _process_local(x):
+      return x
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, rep, lambda idx: host[idx])
+
+  return jax.tree.map(put, tree)
+
+
+def localize(restored: Any, template: Any) -> Any:
+  """Inverse of `globalize` after a restore: leaves that are process-local in ``template``
+  (same structure) are put back on the template's sharding, from this process's copy."""
+  if jax.process_count() == 1:
+    return restored
+
+  def back(x, t):
+    if not _process_local(t):
+      return x
+    return jax.device_put(np.asarray(x.addressable_data(0)), t.sharding)
+
+  return jax.tree.map(back, restored, template)
+
+
 def save(manager: ocp.CheckpointManager, step: int, policy: Any, train_state: Any) -> None:
-  """Saves both items at ``step`` and waits until they are on disk."""
+  """Saves both items at ``step`` and waits until they are on disk.
+
+  Every process of a multi-process run calls this; process-local arrays are saved as
+  replicated global arrays (`globalize`).
+  """
   manager.save(
       step,
       args=ocp.args.Composite(
-          policy=ocp.args.StandardSave(policy), train_state=ocp.args.StandardSave(train_state)
+          policy=ocp.args.StandardSave(globalize(policy)),
+          train_state=ocp.args.StandardSave(globalize(train_state)),
       ),
   )
   manager.wait_until_finished()
@@ -116,7 +178,7 @@ def restore(
   Returns:
     ``(step, policy, train_state)`` or ``None``.
   """
-  abstract = lambda t: jax.tree.map(ocp.utils.to_shape_dtype_struct, t)
+  abstract = lambda t: jax.tree.map(ocp.utils.to_shape_dtype_struct, globalize(t))
   skipped = []
   for step in sorted(manager.all_steps(), reverse=True):
     try:
@@ -133,15 +195,18 @@ def restore(
       skipped.append(step)
       continue
     _set_aside(manager, skipped, log)
-    return step, out.policy, out.train_state
+    return step, localize(out.policy, policy_target), localize(out.train_state, train_target)
   return None
 
 
 def _set_aside(manager: ocp.CheckpointManager, steps: list[int], log: Callable[[str], None]
                ) -> None:
   """Renames unreadable step folders to ``<step>.unreadable`` (kept for inspection, ignored
-  by orbax), so that the resumed run can write those steps again."""
-  for step in steps:
+  by orbax), so that the resumed run can write those steps again. Process 0 renames; every
+  process then reloads the manager."""
+  from rljax.runtime import is_primary, sync_processes
+
+  for step in steps if is_primary() else ():
     path = os.path.join(str(manager.directory), str(step))
     if os.path.isdir(path):
       target = path + ".unreadable"
@@ -151,6 +216,7 @@ def _set_aside(manager: ocp.CheckpointManager, steps: list[int], log: Callable[[
       os.rename(path, target)
       log(f"moved unreadable checkpoint {step} to {target}")
   if steps:
+    sync_processes("rljax-set-aside")
     manager.reload()
 
 
@@ -167,6 +233,123 @@ def restore_policy(logdir: str, target: Any, step: int | None = None) -> Any:
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
     out = m.restore(step, args=ocp.args.Composite(policy=ocp.args.StandardRestore(abstract)))
   return out.policy
+
+
+def read_items(logdir: str, step: int | None = None,
+               items: tuple[str, ...] = ("policy", "train_state")) -> tuple[int, dict[str, Any]]:
+  """Reads a checkpoint's items as ``{item: {key path: numpy array}}``, with no template.
+
+  Any process count and mesh can read it (arrays come back as host numpy arrays, whatever
+  topology wrote them). For inspection, export and tests.
+
+  Raises:
+    FileNotFoundError: no checkpoint under ``logdir`` (or not ``step``).
+  """
+  if step is None:
+    with ocp.CheckpointManager(checkpoint_dir(logdir), item_names=items) as m:
+      step = m.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"No checkpoint under {checkpoint_dir(logdir)}.")
+  out = {}
+  with ocp.PyTreeCheckpointer() as c:
+    for item in items:
+      path = os.path.join(checkpoint_dir(logdir), str(step), item)
+      if not os.path.isdir(path):
+        raise FileNotFoundError(f"No checkpoint item {path}.")
+      tree = dict(c.metadata(path).item_metadata.tree)
+      args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+      out[item] = {k: np.asarray(v) for k, v in
+                   c.restore(path, args=ocp.args.PyTreeRestore(restore_args=args)).items()}
+  return step, out
+
+
+GIB = 1024**3
+
+
+def device_memory_bytes(device: jax.Device | None = None) -> int | None:
+  """A device's memory limit as JAX reports it (``memory_stats()['bytes_limit']`` on GPU and
+  TPU); ``None`` where the backend reports none (CPU)."""
+  device = device or jax.local_devices()[0]
+  try:
+    stats = device.memory_stats()
+  except Exception:  # pragma: no cover - backends without memory stats
+    return None
+  return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def define_device_memory_flag():
+  """Defines the absl flag ``--device_memory_gb`` (used by :func:`check_fits` on resume)."""
+  from absl import flags
+
+  return flags.DEFINE_float(
+      "device_memory_gb", None, "Memory of one device in GiB, checked before a resume restores "
+      "a checkpoint (default: the limit the device reports; CPU reports none, so no check).")
+
+
+def device_bytes_from_flag(gb: float | None) -> int | None:
+  """``--device_memory_gb`` in bytes, or the device's own limit when the flag is unset."""
+  if gb is None:
+    return device_memory_bytes()
+  if gb <= 0:
+    raise ValueError(f"--device_memory_gb must be > 0, got {gb}")
+  return int(gb * GIB)
+
+
+def saved_bytes(path: str) -> int:
+  """Bytes of the arrays in one orbax item folder (from its metadata; nothing is read)."""
+  import logging
+
+  total = 0
+  absl_logger = logging.getLogger("absl")
+  level = absl_logger.level
+  absl_logger.setLevel(logging.ERROR)  # orbax warns that a step-level metadata file is absent
+  try:
+    with ocp.PyTreeCheckpointer() as c:
+      tree = dict(c.metadata(path).item_metadata.tree)
+  finally:
+    absl_logger.setLevel(level)
+  for meta in jax.tree.leaves(tree):
+    shape, dtype = getattr(meta, "shape", None), getattr(meta, "dtype", None)
+    if shape is not None and dtype is not None:
+      total += int(np.prod(shape)) * np.dtype(dtype).itemsize
+  return total
+
+
+def check_fits(logdir: str, *, num_devices: int, device_bytes: int | None,
+               extra_items: tuple[str, ...] = ()) -> None:
+  """Refuses to restore a checkpoint that the devices cannot hold, before anything is built.
+
+  The newest step's items under ``<logdir>/checkpoints`` (plus ``extra_items``, other orbax
+  item folders that will be loaded, e.g. RLHF's frozen roles) hold ``total`` bytes; spread
+  perfectly over ``num_devices`` that is ``total / num_devices`` per device at the least (the
+  real layout replicates some arrays, so this is a lower bound: it catches a mesh that is
+  too small, not every layout that is). A no-op without a checkpoint or without
+  ``device_bytes`` (CPU reports no device memory limit; scripts take ``--device_memory_gb``).
+
+  Raises:
+    ValueError: naming the checkpoint, the bytes it needs per device and the bytes a device
+      holds.
+  """
+  if device_bytes is None or not os.path.isdir(checkpoint_dir(logdir)):
+    return
+  steps = [int(d) for d in os.listdir(checkpoint_dir(logdir)) if d.isdigit()]
+  if not steps:
+    return
+  step = max(steps)
+  step_dir = os.path.join(checkpoint_dir(logdir), str(step))
+  items = [os.path.join(step_dir, d) for d in sorted(os.listdir(step_dir))
+           if os.path.isdir(os.path.join(step_dir, d))] + [p for p in extra_items if os.path.isdir(p)]
+  try:
+    total = sum(saved_bytes(p) for p in items)
+  except Exception:  # unreadable metadata: restore() reports and skips that checkpoint
+    return
+  need = total / max(num_devices, 1)
+  if need > device_bytes:
+    raise ValueError(
+        f"cannot restore {logdir!r} onto this mesh: the state of checkpoint {step} is "
+        f"{total / GIB:.3g} GiB, at least {need / GIB:.3g} GiB per device on {num_devices} "
+        f"device(s), but a device holds {device_bytes / GIB:.3g} GiB; use more devices "
+        f"(--mesh) or devices with more memory (its checkpoints are left untouched).")
 
 
 def check_writable(logdir: str) -> None:
@@ -217,9 +400,11 @@ def truncate_jsonl(path: str, last_step: int,
   Only records for which ``applies(record)`` is true are considered (e.g. RL records in a
   file that also holds pre-training ones). The file is replaced atomically, or with
   ``in_place`` rewritten in place, so that a writer already holding it open in append mode
-  keeps appending to the same file.
+  keeps appending to the same file. Only process 0 writes logs, so only it truncates.
   """
-  if not os.path.exists(path):
+  from rljax.runtime import is_primary
+
+  if not is_primary() or not os.path.exists(path):
     return
   from rljax import metrics as metrics_lib
 

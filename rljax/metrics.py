@@ -39,6 +39,9 @@ class MetricsWriter:
       pre-training then SFT, may restart their step counts); ``None`` (default) uses
       the process's active run (``wandb.run``, e.g. from `init_wandb`) if there is one;
       ``False`` never logs to W&B.
+    primary: whether this process writes at all; default ``rljax.runtime.is_primary()``
+      (process 0 of a multi-process run). A non-primary writer creates nothing and its
+      ``write`` does nothing, so N processes computing the same metrics log them once.
 
   Raises:
     OSError: if ``logdir`` cannot be created or written.
@@ -53,10 +56,21 @@ class MetricsWriter:
       console_keys: Sequence[str] = (),
       tensorboard: bool = True,
       wandb: Any = None,
+      primary: bool | None = None,
   ):
-    os.makedirs(logdir, exist_ok=True)
+    if primary is None:
+      from rljax.runtime import is_primary
+
+      primary = is_primary()
+    self.primary = primary
     self.logdir = logdir
     self.jsonl_path = os.path.join(logdir, "metrics.jsonl")
+    self._jsonl = self._tb = self._bar = self._wandb = None
+    self._console_keys = ()
+    self._progress = 0
+    if not primary:
+      return
+    os.makedirs(logdir, exist_ok=True)
     self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
     self._tb = None
     if tensorboard:
@@ -74,6 +88,8 @@ class MetricsWriter:
 
   def write(self, step: int, metrics: Mapping[str, Any], *, progress: int | None = None) -> None:
     """Records ``metrics`` at ``step``; ``progress`` (absolute) advances the bar."""
+    if not self.primary:
+      return
     record = {"step": int(step)}
     for k, v in metrics.items():
       f = _to_float(v)
@@ -99,7 +115,8 @@ class MetricsWriter:
       self._bar.close()
     if self._tb is not None:
       self._tb.close()
-    self._jsonl.close()
+    if self._jsonl is not None:
+      self._jsonl.close()
 
   def __enter__(self):
     return self

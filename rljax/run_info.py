@@ -113,15 +113,20 @@ def write_run_info(logdir: str, config: Any = None, *, argv: Sequence[str] | Non
                    extra: Mapping[str, Any] | None = None) -> str:
   """Writes `collect`'s dict to ``<logdir>/run_info.json`` (atomically); returns the path.
 
-  A resumed run overwrites the file with its own command line and versions.
+  A resumed run overwrites the file with its own command line and versions. In a
+  multi-process run only process 0 writes it (``rljax.runtime.is_primary``).
 
   Raises:
     OSError: ``logdir`` cannot be created or written.
     TypeError: see `config_to_dict`.
   """
+  from rljax.runtime import is_primary
+
+  path = os.path.join(logdir, RUN_INFO_FILE)
+  if not is_primary():
+    return path
   info = collect(config, argv=argv, extra=extra)
   os.makedirs(logdir, exist_ok=True)
-  path = os.path.join(logdir, RUN_INFO_FILE)
   tmp = path + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
     json.dump(info, f, indent=2, sort_keys=True)
@@ -155,8 +160,10 @@ def start_run(logdir: str, config: Any = None, *, use_wandb: bool = False,
     ValueError: ``use_wandb`` but the ``wandb`` package is not installed.
     OSError: ``logdir`` cannot be written.
   """
+  from rljax.runtime import is_primary
+
   path = write_run_info(logdir, config, argv=argv, extra=extra)
-  if not use_wandb:
+  if not use_wandb or not is_primary():
     return None
   from rljax import metrics
 

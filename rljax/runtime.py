@@ -30,6 +30,25 @@ def enable_compilation_cache(path: str | None = None) -> str:
   return path
 
 
+def is_primary() -> bool:
+  """Whether this process writes the run's logs (process 0; always True with one process).
+
+  In a multi-process run every process computes the same metrics, so only process 0 writes
+  ``metrics.jsonl``, TensorBoard events, ``run_info.json`` and the progress bar; all
+  processes take part in checkpoint writes (orbax coordinates them).
+  """
+  return jax.process_index() == 0
+
+
+def sync_processes(name: str) -> None:
+  """A barrier across all processes (``multihost_utils.sync_global_devices``); a no-op with
+  one process."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
+
+
 def configure_logging(verbose: bool = False) -> None:
   """Keeps the console to the progress bar and results.
 

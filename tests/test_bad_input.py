@@ -3,12 +3,15 @@ each case fails before anything compiles, exits 2 with a one-line message naming
 value (a traceback only with --verbose), and leaves an existing run's checkpoints untouched.
 
 Library-level errors are tested where they are raised (tests/test_text_data.py: data files;
-tests/test_hf_io.py: unsupported model_type, shape-mismatched tensors; no script loads a
-Hugging Face model folder yet, so those have no script case here).
+tests/test_hf_io.py: unsupported model_type, shape-mismatched tensors). The scripts' --model
+(a Hugging Face model folder, rljax.alignment.pipeline.load_pretrained) has script cases here:
+unsupported model_type, a tensor shape that does not match config.json, a missing folder or
+config.json, and the flags it conflicts with.
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -48,6 +51,31 @@ def existing_run(tmp_path):
   return logdir
 
 
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+  """Hugging Face model folders for --model: a good tiny Llama and broken copies of it."""
+  import safetensors.numpy
+  from test_pretrained_init import make_hf_folder
+
+  root = tmp_path_factory.mktemp("hf_models")
+  good = make_hf_folder(root / "good")
+  out = {"good": good}
+  for name in ("gpt2", "bad_shape", "no_config"):
+    out[name] = str(root / name)
+    shutil.copytree(good, out[name])
+  cfg = json.loads(open(os.path.join(good, "config.json")).read())
+  with open(os.path.join(out["gpt2"], "config.json"), "w") as f:
+    json.dump(dict(cfg, model_type="gpt2", architectures=["GPT2LMHeadModel"]), f)
+  weights = os.path.join(out["bad_shape"], "model.safetensors")
+  tensors = safetensors.numpy.load_file(weights)
+  name = "model.layers.0.mlp.gate_proj.weight"
+  assert tensors[name].shape == (64, 32)
+  tensors[name] = tensors[name][:48]  # config.json's intermediate_size is 64
+  safetensors.numpy.save_file(tensors, weights, metadata={"format": "pt"})
+  os.remove(os.path.join(out["no_config"], "config.json"))
+  return out
+
+
 def _snapshot(logdir):
   out = {}
   for d, _, files in os.walk(logdir / "checkpoints"):
@@ -57,7 +85,7 @@ def _snapshot(logdir):
   return out
 
 
-def _cases(tmp_path, existing):
+def _cases(tmp_path, existing, hf=None):
   bad_json = _write(tmp_path / "bad.jsonl", [GOOD[0], "{not json"])
   bad_utf8 = _write(tmp_path / "utf8.jsonl", [GOOD[0], b'{"prompt": "\xff\xfe"}\n'])
   no_rejected = _write(tmp_path / "norej.jsonl",
@@ -69,6 +97,8 @@ def _cases(tmp_path, existing):
   blocker = tmp_path / "a_file"
   blocker.write_text("x")
   e = f"--logdir={existing}"
+  hf = hf or {}
+  m = {k: f"--model={v}" for k, v in hf.items()}
   return {
       "unknown_algo": ("train_rlhf.py", ["--algo=grp"],
                        "--algo 'grp' is not one of ppo, grpo, rloo, reinforce_pp; did you mean "
@@ -100,18 +130,43 @@ def _cases(tmp_path, existing):
                                       "already holds an RLHF run; pass --resume"),
       "checkpoint_every": ("train_rlhf.py", ["--checkpoint_every=0"],
                            "--checkpoint_every must be >= 1, got 0"),
+      # --model (a Hugging Face folder): checked before the logdir's checkpoints are looked at.
+      "model_unsupported_type": (
+          "train_rlhf.py", [f"--preference_data={good}", m.get("gpt2"), e],
+          "unsupported model_type 'gpt2' in config.json; rljax.models supports "
+          "('llama', 'qwen2')"),
+      "model_tensor_shape_mismatch": (
+          "train_sft.py", [f"--preference_data={good}", m.get("bad_shape"), e],
+          f"tensor 'model.layers.0.mlp.gate_proj.weight' in {hf.get('bad_shape')} has shape "
+          f"(48, 32), but config.json implies (64, 32)"),
+      "model_missing_folder": (
+          "train_reward_model.py", [f"--preference_data={good}",
+                                    f"--model={tmp_path}/no-such-model", e],
+          f"--model '{tmp_path}/no-such-model': no such folder"),
+      "model_missing_config": (
+          "train_rlhf.py", [f"--preference_data={good}", m.get("no_config"), e],
+          f"--model {hf.get('no_config')!r}: no config.json in the folder"),
+      "model_with_tokenizer": (
+          "train_sft.py", [f"--preference_data={good}", m.get("good"), f"--tokenizer={tok_dir}",
+                           e],
+          "--tokenizer cannot be combined with --model"),
+      "model_without_data": ("train_rlhf.py", [m.get("good"), e],
+                             "needs --preference_data=PATH"),
   }
 
 
 CASES = ["unknown_algo", "logdir_not_writable", "malformed_json", "invalid_utf8",
          "missing_rejected", "empty_dataset", "missing_file", "overlong_prompts_rejected",
          "tokenizer_exceeds_vocab", "config_mismatch", "existing_run_without_resume",
-         "checkpoint_every"]
+         "checkpoint_every", "model_unsupported_type", "model_tensor_shape_mismatch",
+         "model_missing_folder", "model_missing_config", "model_with_tokenizer",
+         "model_without_data"]
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_bad_input_exits_2_with_message_before_compiling(case, tmp_path, existing_run):
-  script, args, message = _cases(tmp_path, existing_run)[case]
+def test_bad_input_exits_2_with_message_before_compiling(case, tmp_path, existing_run,
+                                                         hf_models):
+  script, args, message = _cases(tmp_path, existing_run, hf_models)[case]
   before = _snapshot(existing_run)
   cmd = [sys.executable, _script(script), *args, "--nocompilation_cache"
          if script == "train_rlhf.py" else "--seed=0"]
@@ -147,3 +202,44 @@ def test_overlong_prompts_truncated_with_a_count():
   with pytest.raises(ValueError, match="context of 8 tokens leaves no room for a prompt"):
     pipeline.check_prompt_lengths([[1]], max_prompt_len=4, context=8, response_len=8,
                                   mode="truncate")
+
+
+@pytest.fixture
+def real_checkpoint(tmp_path):
+  """A logdir with a real orbax checkpoint of 513 KiB of state (step 5)."""
+  import numpy as np
+
+  from rljax import checkpoint as ckpt
+
+  logdir = tmp_path / "big"
+  with ckpt.make_manager(str(logdir)) as manager:
+    ckpt.save(manager, 5, {"w": np.ones((512, 256), np.float32)},
+              {"opt": np.zeros((256,), np.float32)})
+  return logdir
+
+
+@pytest.mark.parametrize("script", ["train_rlhf.py", "train_control.py"])
+def test_restore_onto_a_mesh_that_cannot_hold_the_state(script, real_checkpoint, tmp_path):
+  # 513 KiB of saved state; one device of 0.0004 GiB (about 419 KiB) cannot hold it.
+  before = _snapshot(real_checkpoint)
+  cmd = [sys.executable, _script(script), f"--logdir={real_checkpoint}",
+         "--device_memory_gb=0.0004", "--nocompilation_cache"]
+  out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+  assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+  assert (f"cannot restore {str(real_checkpoint)!r} onto this mesh: the state of checkpoint 5 "
+          f"is 0.000489 GiB, at least 0.000489 GiB per device on 1 device(s), but a device "
+          f"holds 0.0004 GiB") in out.stderr, out.stderr[-2000:]
+  assert "Traceback" not in out.stderr
+  assert _snapshot(real_checkpoint) == before
+
+
+def test_check_fits_divides_the_state_over_the_devices(real_checkpoint):
+  from rljax import checkpoint as ckpt
+
+  size = 512 * 256 * 4 + 256 * 4
+  ckpt.check_fits(str(real_checkpoint), num_devices=4, device_bytes=size // 4 + 1)  # fits
+  with pytest.raises(ValueError, match=r"on 4 device\(s\), but a device holds"):
+    ckpt.check_fits(str(real_checkpoint), num_devices=4, device_bytes=size // 4 - 1)
+  ckpt.check_fits(str(real_checkpoint), num_devices=1, device_bytes=None)  # CPU: no limit
+  with pytest.raises(ValueError, match="--device_memory_gb must be > 0, got 0.0"):
+    ckpt.device_bytes_from_flag(0.0)

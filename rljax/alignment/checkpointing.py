@@ -8,7 +8,8 @@ Layout under ``<logdir>`` (the orbax parts through :mod:`rljax.checkpoint`)::
                                      ``optax.multi_transform`` over {actor, critic}), the KL
                                      controller state (its current ``beta``; fixed or adaptive),
                                      the step, the data position (epoch, index in the epoch's
-                                     order, shuffle seed) and the PRNG key
+                                     order, shuffle seed), the PRNG key and the
+                                     count of skipped (non-finite) updates
     frozen/                          the frozen roles, written once (see below)
 
 The sampler has no seed stream of its own: each step splits its generation key (and the
@@ -47,7 +48,7 @@ from flax import nnx
 
 from rljax import checkpoint as ckpt
 from rljax import kl as kl_lib
-from rljax import ppo
+from rljax import ppo, runtime
 from rljax.alignment import rlhf
 from rljax.envs.text import data as text_data
 
@@ -96,6 +97,7 @@ def state_items(state: rlhf.RLHFState) -> tuple[dict[str, Any], dict[str, Any]]:
   train["step"] = np.asarray(state.step, np.int64)
   train["data_position"] = np.asarray(tuple(state.data_position), np.int64)
   train["key"] = jax.random.key_data(state.key)
+  train["skipped_updates"] = np.asarray(state.skipped_updates, np.int64)
   return policy, train
 
 
@@ -115,7 +117,8 @@ def state_from_items(template: rlhf.RLHFState, policy: dict[str, Any],
                                  impl=jax.random.key_impl(template.key))
   return rlhf.RLHFState(
       ppo.PPOState(params, rest["opt_state"]), kl_lib.KLControllerState(rest["kl_coef"]),
-      int(train["step"]), text_data.DataPosition(epoch, index, seed), key)
+      int(train["step"]), text_data.DataPosition(epoch, index, seed), key,
+      int(train["skipped_updates"]))
 
 
 # ---- frozen roles -------------------------------------------------------------------------------
@@ -134,19 +137,23 @@ def save_frozen(logdir: str, models: dict[str, nnx.Module], meta: dict[str, Any]
   """Saves the full state of each model in ``models`` (e.g. ``{"reference": m}``) once.
 
   The orbax checkpoint is written to ``<logdir>/frozen/roles`` (temporary folder, then
-  renamed); ``meta`` (JSON-able) is written last, atomically, and marks it complete.
+  renamed); ``meta`` (JSON-able) is written last, atomically, and marks it complete. Every
+  process calls this; arrays held by one process only are saved as replicated global
+  arrays (:func:`rljax.checkpoint.globalize`), and process 0 writes ``meta``.
   """
   path = frozen_dir(logdir)
-  item = ckpt.to_saveable({name: nnx.state(m) for name, m in models.items()})
+  item = ckpt.globalize(ckpt.to_saveable({name: nnx.state(m) for name, m in models.items()}))
   roles = os.path.join(path, "roles")
-  if os.path.exists(roles):  # an incomplete earlier attempt (no meta.json): redo it
+  if runtime.is_primary() and os.path.exists(roles):  # an incomplete earlier attempt: redo it
     import shutil
 
     shutil.rmtree(roles)
-  with ocp.StandardCheckpointer() as c:
-    c.save(roles, item)
-    c.wait_until_finished()
-  ckpt.write_json_atomic(os.path.join(path, FROZEN_META), meta)
+  runtime.sync_processes("rljax-frozen-clear")
+  with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as c:  # synchronous (see make_manager)
+    c.save(roles, args=ocp.args.StandardSave(item))
+  if runtime.is_primary():
+    ckpt.write_json_atomic(os.path.join(path, FROZEN_META), meta)
+  runtime.sync_processes("rljax-frozen-saved")
 
 
 def load_frozen(logdir: str, models: dict[str, nnx.Module]) -> dict[str, Any]:
@@ -163,10 +170,11 @@ def load_frozen(logdir: str, models: dict[str, nnx.Module]) -> dict[str, Any]:
   if not has_frozen(logdir):
     raise FileNotFoundError(f"no frozen roles under {path}")
   template = ckpt.to_saveable({name: nnx.state(m) for name, m in models.items()})
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, ckpt.globalize(template))
   try:
-    with ocp.StandardCheckpointer() as c:
-      saved = c.restore(os.path.join(path, "roles"), abstract)
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as c:
+      saved = ckpt.localize(c.restore(os.path.join(path, "roles"),
+                                      args=ocp.args.StandardRestore(abstract)), template)
   except Exception as e:  # orbax raises many types for unreadable or mismatched data
     raise ValueError(f"the frozen roles in {path} cannot be loaded into this run's models "
                      f"({type(e).__name__}: {str(e)[:300]})") from None
@@ -199,9 +207,14 @@ def prepare(logdir: str, section: str, config_json: dict[str, Any], *, resume: b
                      f"it or use a new --logdir (its checkpoints are left untouched).")
   if resume:
     ckpt.check_same_config(logdir, section, config_json)
-  ckpt.write_json_atomic(os.path.join(ckpt.checkpoint_dir(logdir), ckpt.CONFIG_FILE),
-                         {section: config_json})
-  return resume and has_frozen(logdir)
+  frozen = resume and has_frozen(logdir)
+  # Every process has looked before process 0 writes (else a peer would find the new file).
+  runtime.sync_processes("rljax-prepare-checked")
+  if runtime.is_primary():
+    ckpt.write_json_atomic(os.path.join(ckpt.checkpoint_dir(logdir), ckpt.CONFIG_FILE),
+                           {section: config_json})
+  runtime.sync_processes("rljax-prepare-written")
+  return frozen
 
 
 def train(trainer: rlhf.RLHFTrainer, logdir: str, *, checkpoint_every: int = 10,
@@ -230,6 +243,8 @@ def train(trainer: rlhf.RLHFTrainer, logdir: str, *, checkpoint_every: int = 10,
   Raises:
     ValueError: ``checkpoint_every`` or ``keep`` < 1.
     Preempted: SIGTERM was received; the state is checkpointed.
+    rljax.checkpoint.NonFiniteHalt: ``nonfinite="halt"`` and a step's update was skipped;
+      that step's state (parameters as before it, all finite) is checkpointed.
   """
   if checkpoint_every < 1:
     raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
@@ -264,7 +279,12 @@ def train(trainer: rlhf.RLHFTrainer, logdir: str, *, checkpoint_every: int = 10,
       if flag.received:
         save()
         raise Preempted(trainer.state.step, str(logdir))
-      rec = trainer.step()
+      try:
+        rec = trainer.step()
+      except rlhf.NonFiniteHalt as e:  # the skipped step's state is finite: the last good one
+        save()
+        raise rlhf.NonFiniteHalt(f"{e}; halted with the last good state checkpointed in "
+                                 f"{logdir} (step {trainer.state.step})") from None
       step = trainer.state.step
       rec["step"] = step
       history.append(rec)
@@ -283,25 +303,26 @@ def train(trainer: rlhf.RLHFTrainer, logdir: str, *, checkpoint_every: int = 10,
 
 
 def load_state_items(logdir: str, step: int | None = None) -> tuple[int, dict, dict]:
-  """Reads a checkpoint's raw items (no template): ``(step, policy, train_state)`` as flat
-  ``{key path: numpy array}`` dicts. For inspection and tests.
+  """Reads a checkpoint's raw items (no template; saved by any process count or mesh):
+  ``(step, policy, train_state)`` as flat ``{key path: numpy array}`` dicts. For inspection
+  and tests.
 
   Raises:
     FileNotFoundError: no checkpoint under ``logdir``.
   """
-  with ocp.CheckpointManager(ckpt.checkpoint_dir(logdir),
-                             item_names=("policy", "train_state")) as m:
-    step = m.latest_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"No checkpoint under {ckpt.checkpoint_dir(logdir)}.")
-    out = m.restore(step, args=ocp.args.Composite(policy=ocp.args.StandardRestore(),
-                                                   train_state=ocp.args.StandardRestore()))
-  as_np = lambda d: {k: np.asarray(v) for k, v in d.items()}
-  return step, as_np(out.policy), as_np(out.train_state)
+  step, items = ckpt.read_items(logdir, step)
+  return step, items["policy"], items["train_state"]
 
 
-def rl_history(jsonl_path: str) -> list[dict[str, Any]]:
-  """The RL records of a run's ``metrics.jsonl`` (those with ``reward/mean``), in order."""
+def rl_history(jsonl_path: str, fallback: list[dict[str, Any]] | None = None
+               ) -> list[dict[str, Any]]:
+  """The RL records of a run's ``metrics.jsonl`` (those with ``reward/mean``), in order.
+
+  Only process 0 writes the file; on other processes (which may not share the file system)
+  ``fallback`` (e.g. the records of the steps run here) is returned instead.
+  """
   from rljax import metrics as metrics_lib
 
+  if not runtime.is_primary():
+    return list(fallback or [])
   return [r for r in metrics_lib.read_jsonl(jsonl_path) if _RL_KEY in r]

@@ -15,25 +15,43 @@ from absl import flags
 
 @dataclasses.dataclass(frozen=True)
 class DataFlags:
-  """The preference-data flags: prompt budget and tokenizer."""
+  """The preference-data flags: prompt budget, tokenizer, pretrained model."""
 
   max_prompt_len: Any
   overlong_prompts: Any
   tokenizer: Any
   vocab_size: Any
+  model: Any
 
   def overrides(self) -> dict[str, Any]:
-    """``rljax.alignment.pipeline.PreferenceConfig`` fields set on the command line."""
+    """``rljax.alignment.pipeline.PreferenceConfig`` fields set on the command line.
+
+    Raises:
+      ValueError: ``--model`` with ``--tokenizer`` or ``--vocab_size`` (both come from the
+        model folder).
+    """
+    if self.model.value is not None:
+      for name in ("tokenizer", "vocab_size"):
+        if getattr(self, name).value is not None:
+          raise ValueError(f"--{name} cannot be combined with --model: the tokenizer and the "
+                           f"vocabulary come from the model folder {self.model.value!r}")
     out = {"overlong_prompts": self.overlong_prompts.value}
-    for key in ("max_prompt_len", "tokenizer", "vocab_size"):
+    for key in ("max_prompt_len", "tokenizer", "vocab_size", "model"):
       value = getattr(self, key).value
       if value is not None:
         out[key] = value
     return out
 
+  def check_data(self, preference_data: str | None) -> None:
+    """Raises ValueError for ``--model`` without ``--preference_data`` (the embedded task
+    trains its own tiny model, so the flag would be silently ignored)."""
+    if self.model.value is not None and preference_data is None:
+      raise ValueError(f"--model {self.model.value!r} needs --preference_data=PATH (the "
+                       f"embedded addition task trains its own tiny model)")
+
 
 def define_data_flags() -> DataFlags:
-  """``--max_prompt_len``, ``--overlong_prompts``, ``--tokenizer``, ``--vocab_size``."""
+  """``--max_prompt_len``, ``--overlong_prompts``, ``--tokenizer``, ``--vocab_size``, ``--model``."""
   return DataFlags(
       max_prompt_len=flags.DEFINE_integer(
           "max_prompt_len", None, "Prompt length limit in tokens."),
@@ -45,6 +63,11 @@ def define_data_flags() -> DataFlags:
           "tokenizer", None, "Tokenizer folder (tokenizer.json) instead of training a BPE one."),
       vocab_size=flags.DEFINE_integer(
           "vocab_size", None, "Model vocabulary (with --tokenizer)."),
+      model=flags.DEFINE_string(
+          "model", None, "Pretrained Hugging Face model folder (config.json, model.safetensors, "
+          "tokenizer.json; Llama or Qwen2), as OpenRLHF's --pretrain: the tokenizer and the "
+          "initial weights of every model come from it and pre-training is skipped. With "
+          "--preference_data; not with --tokenizer or --vocab_size."),
   )
 
 

@@ -10,6 +10,8 @@
   on the data, a tiny LM is pre-trained on the dialogues and fine-tuned on the chosen
   responses, a reward model (from the SFT model) is trained on a 90/10 split and evaluated on
   the 10% (accuracy with a 95% Wilson interval), then PPO runs against that reward model.
+  With ``PreferenceConfig.model`` (the scripts' ``--model``) a pretrained Hugging Face model
+  gives the tokenizer and the initial weights instead (:func:`load_pretrained`; no pre-training).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from rljax import kl as kl_lib
-from rljax import ppo
+from rljax import ppo, runtime
 from rljax.alignment import reward_model as rm_lib
 from rljax.alignment import modeling, rlhf, sft
 from rljax.envs.text import arithmetic
@@ -96,6 +98,63 @@ def tiny_lm_config(vocab_size: int, *, hidden_size: int = 64, num_layers: int = 
   return LMConfig(vocab_size=vocab_size, hidden_size=hidden_size,
                   intermediate_size=3 * hidden_size, num_layers=num_layers, num_heads=num_heads,
                   num_kv_heads=num_kv_heads, eos_token_id=eos, pad_token_id=pad, bos_token_id=bos)
+
+
+def load_pretrained(path: str, *, layout=None, seed: int = 0, dtype: str = "float32"):
+  """A pretrained Hugging Face model folder (the scripts' ``--model``): ``(model, tokenizer)``.
+
+  The folder holds ``config.json`` (``model_type`` llama or qwen2), ``model.safetensors`` (or a
+  sharded ``model.safetensors.index.json``) and ``tokenizer.json`` (+ ``tokenizer_config.json``).
+  The model's transformer and LM head come from the checkpoint; its value and reward heads are
+  fresh (seeded by ``seed``), so the actor, the reference, and the reward model's and critic's
+  trunks all start from the pretrained weights (OpenRLHF's ``--pretrain``). A tokenizer without
+  a pad token pads with its EOS token (as TRL/OpenRLHF do); one without an EOS token takes the
+  first ``eos_token_id`` of ``config.json``.
+
+  Nothing is compiled here, so a bad folder fails before any training. ``layout``: a
+  :class:`rljax.alignment.layout.TrainLayout`; each tensor is then created directly in its
+  training sharding (``hf_io.load_hf_checkpoint``'s ``shardings``), never whole on one device.
+
+  Raises:
+    FileNotFoundError: no such folder, or no ``config.json``, weights or ``tokenizer.json`` in it.
+    ValueError: an unsupported ``model_type`` (naming it and the supported ones) or other
+      unusable ``config.json``; a tokenizer larger than the model's vocabulary or without EOS.
+    rljax.models.hf_io.CheckpointError: a missing tensor, or one whose shape does not match
+      ``config.json`` (naming the tensor and both shapes).
+  """
+  from rljax.models import hf_io
+  from rljax.models.tokenizer import load_tokenizer
+
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"--model {path!r}: no such folder (expected a Hugging Face model "
+                            f"folder with config.json, model.safetensors and tokenizer.json)")
+  if not os.path.exists(os.path.join(path, hf_io.CONFIG_FILE)):
+    raise FileNotFoundError(f"--model {path!r}: no {hf_io.CONFIG_FILE} in the folder (expected a "
+                            f"Hugging Face model folder)")
+  try:
+    lm_config = LMConfig.from_hf_config(hf_io.read_hf_config(path), dtype=dtype)
+  except (ValueError, KeyError, TypeError, AttributeError) as e:  # incl. malformed JSON
+    what = f"missing key {e.args[0]!r}" if isinstance(e, KeyError) and e.args else str(e)
+    raise ValueError(f"--model {path!r}: {what}") from e
+  tok = load_tokenizer(path)
+  if tok.eos_token_id is None and lm_config.eos_token_id:
+    tok.special_tokens["eos_token"] = tok.backend.id_to_token(lm_config.eos_token_id[0])
+  if tok.eos_token_id is None:
+    raise ValueError(f"--model {path!r}: the tokenizer has no EOS token and config.json no "
+                     f"eos_token_id; responses could not end")
+  if tok.pad_token_id is None:
+    tok.special_tokens["pad_token"] = tok.eos_token
+  if tok.vocab_size > lm_config.vocab_size:
+    raise ValueError(f"--model {path!r}: the tokenizer has {tok.vocab_size} tokens, more than "
+                     f"the model's vocab_size {lm_config.vocab_size}")
+  shardings = None
+  if layout is not None:
+    from rljax.sharding import rules as rules_lib
+
+    abstract = nnx.eval_shape(lambda: DecoderLM(lm_config, rngs=nnx.Rngs(seed)))
+    shardings = rules_lib.shardings(nnx.state(abstract), layout.mesh, layout.preset)
+  model = hf_io.load_hf_checkpoint(path, dtype=dtype, shardings=shardings, seed=seed)
+  return model, tok
 
 
 def greedy_accuracy(model, tokenizer, prompt_texts, *, max_new_tokens: int) -> float:
@@ -218,7 +277,7 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
         trainer, logdir, checkpoint_every=checkpoint_every, keep=keep_checkpoints,
         resume=resume, writer=writer, callback=show, log=log, sigterm=sigterm)
     if resumed_from is not None:  # the whole RL history, from before the resume too
-      history = checkpointing.rl_history(writer.jsonl_path)
+      history = checkpointing.rl_history(writer.jsonl_path, history)
   else:
     history = trainer.train(writer=writer, callback=show)
   t_rl = time.perf_counter()
@@ -238,7 +297,7 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
       kl_last=float(history[-1].get("kl", np.nan)),
       wall_s=time.perf_counter() - t0, pretrain_s=t_pre - t0, sft_s=t_sft - t_pre,
       rl_s=t_rl - t_sft, history=history, resumed_from=resumed_from)
-  if logdir is not None:
+  if logdir is not None and runtime.is_primary():
     with open(os.path.join(logdir, "summary.json"), "w") as f:
       json.dump({k: v for k, v in summary.items() if k != "history"}, f, indent=2)
   return summary
@@ -276,6 +335,10 @@ class PreferenceConfig:
       (``max_position_embeddings``) minus the response length; the count is logged.
     tokenizer: a tokenizer folder (``tokenizer.json``) to use instead of training a BPE one;
       the model then has ``vocab_size`` rows, which must cover the tokenizer's vocabulary.
+    model: a pretrained Hugging Face model folder (:func:`load_pretrained`; OpenRLHF's
+      ``--pretrain``): tokenizer and initial weights come from it, pre-training is skipped, and
+      ``vocab_size``, ``hidden_size``, ``num_layers``, ``num_heads``, ``num_kv_heads`` and
+      ``pretrain_steps`` are unused. Not with ``tokenizer``.
   """
 
   vocab_size: int = 2048
@@ -306,8 +369,12 @@ class PreferenceConfig:
   seed: int = 0
   overlong_prompts: str = "truncate"
   tokenizer: str | None = None
+  model: str | None = None
 
   def __post_init__(self):
+    if self.model is not None and self.tokenizer is not None:
+      raise ValueError("--tokenizer cannot be combined with --model: the tokenizer comes from "
+                       f"the model folder {self.model!r}")
     if self.overlong_prompts not in ("truncate", "reject"):
       raise ValueError(f"overlong_prompts must be 'truncate' or 'reject', got "
                        f"{self.overlong_prompts!r}")
@@ -350,20 +417,25 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
                    sigterm=None) -> dict[str, Any]:
   """Tokenizer -> pre-train -> SFT (chosen) -> reward model (90/10) -> PPO; returns a summary
   with the reward model's held-out accuracy and CI and the RL history. ``placement``: as in
-  :func:`run_embedded`.
+  :func:`run_embedded`. With ``config.model`` the tokenizer and the initial weights come from
+  that Hugging Face folder (:func:`load_pretrained`) and pre-training is skipped.
 
   Raises:
     FileNotFoundError / rljax.envs.text.data.DataError: for a missing or malformed file.
     rljax.sharding.mesh.MeshError: a batch the training mesh's data axes do not divide.
     ValueError: overlong prompts with ``overlong_prompts="reject"``; a ``tokenizer`` larger
       than ``vocab_size``; a ``logdir`` holding another run (see :func:`run_embedded` for
-      checkpoints and resume: here the frozen roles are the SFT model and the reward model).
+      checkpoints and resume: here the frozen roles are the SFT model and the reward model);
+      a bad ``model`` folder (:func:`load_pretrained`; checked first, before the ``logdir``).
   """
   from rljax.alignment import checkpointing
 
   check_placement(placement, rl=config.rl if stop_after == "rl" else None,
                   batch_sizes={"batch_size": config.batch_size,
                                "2 * rm_batch_size": 2 * config.rm_batch_size})
+  # A pretrained model (--model) is loaded, and so checked, before anything is written.
+  pretrained = (None if config.model is None else
+                load_pretrained(config.model, layout=train_layout(placement), seed=config.seed))
   use_ckpt = logdir is not None and stop_after == "rl"
   resuming = use_ckpt and checkpointing.prepare(
       logdir, "rlhf_preference", dict(checkpointing.config_to_json(config), data=os.path.abspath(path)),
@@ -378,19 +450,24 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
 
   if resuming:  # the tokenizer the interrupted run trained (and saved)
     tok = load_tokenizer(os.path.join(logdir, "tokenizer"))
+  elif pretrained is not None:
+    tok = pretrained[1]
   elif config.tokenizer is not None:
     tok = load_tokenizer(config.tokenizer)
   else:
     tok = text_data.train_bpe_tokenizer(texts, vocab_size=config.vocab_size)
   model_vocab = config.vocab_size if config.tokenizer is not None else tok.vocab_size
-  if tok.vocab_size > model_vocab:
+  if pretrained is not None:  # vocabulary checked by load_pretrained
+    lm_config = pretrained[0].config
+  elif tok.vocab_size > model_vocab:
     raise ValueError(f"the tokenizer {config.tokenizer!r} has a vocabulary of {tok.vocab_size} "
                      f"tokens, more than the model's vocab_size {model_vocab}; raise "
                      f"--vocab_size to at least {tok.vocab_size}")
-  lm_config = tiny_lm_config(model_vocab, hidden_size=config.hidden_size,
-                             num_layers=config.num_layers, num_heads=config.num_heads,
-                             num_kv_heads=config.num_kv_heads, eos=tok.eos_token_id,
-                             pad=tok.pad_token_id, bos=tok.bos_token_id)
+  else:
+    lm_config = tiny_lm_config(model_vocab, hidden_size=config.hidden_size,
+                               num_layers=config.num_layers, num_heads=config.num_heads,
+                               num_kv_heads=config.num_kv_heads, eos=tok.eos_token_id,
+                               pad=tok.pad_token_id, bos=tok.bos_token_id)
   prompts = check_prompt_lengths(
       [text_data.encode_prompt(tok, p.prompt, p.messages) for p in train_pairs],
       max_prompt_len=config.max_prompt_len, context=lm_config.max_position_embeddings,
@@ -398,7 +475,8 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
       mode=config.overlong_prompts, log=log)
   if logdir is not None and not resuming:
     text_data.save_tokenizer(tok, os.path.join(logdir, "tokenizer"))
-  model = DecoderLM(lm_config, rngs=nnx.Rngs(config.seed))
+  model = (pretrained[0] if pretrained is not None
+           else DecoderLM(lm_config, rngs=nnx.Rngs(config.seed)))
   writer = _writer(logdir)
   max_len = config.max_prompt_len + config.max_response_len
   buckets = tuple(b for b in sft.DEFAULT_LENGTH_BUCKETS if b < max_len) + (max_len,)
@@ -414,7 +492,7 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
                           writer=writer, log=log, placement=placement, t0=t0,
                           num_pairs=len(pairs), checkpoint_every=checkpoint_every,
                           keep_checkpoints=keep_checkpoints, resume=resume, sigterm=sigterm)
-  if config.pretrain_steps:
+  if config.pretrain_steps and pretrained is None:
     # Language modelling on whole (truncated) dialogues: every token is a target.
     lm_data = [([tok.bos_token_id], (list(p) + list(r))[1:]) for p, r in sft_data]
     model, _, h = sft.train_sft(model, lm_data, sft.SFTConfig(
@@ -549,7 +627,7 @@ def _preference_rl(config: PreferenceConfig, tok, prompts, model, rm_model, meta
         trainer, logdir, checkpoint_every=checkpoint_every, keep=keep_checkpoints,
         resume=resume, writer=writer, callback=show, log=log, sigterm=sigterm)
     if resumed_from is not None:
-      history = checkpointing.rl_history(writer.jsonl_path)
+      history = checkpointing.rl_history(writer.jsonl_path, history)
   else:
     history = trainer.train(writer=writer, callback=show)
   if writer is not None:
@@ -573,7 +651,8 @@ PLACEMENTS = ("colocated", "disaggregated")
 
 
 def make_placement(mesh: str | None = None, sharding_rules: str = "fsdp",
-                   placement: str = "colocated") -> "placement_lib.Placement | None":
+                   placement: str = "colocated", *, offload_frozen: bool = False,
+                   ) -> "placement_lib.Placement | None":
   """The RLHF :class:`~rljax.sharding.placement.Placement` the scripts' flags describe.
 
   Args:
@@ -584,9 +663,12 @@ def make_placement(mesh: str | None = None, sharding_rules: str = "fsdp",
     sharding_rules: the training preset (``fsdp``, ``fsdp_tp``, ``dp``; :mod:`rljax.sharding.rules`).
       The actor generates in ``tp`` (tensor-parallel, no fsdp all-gathers per decoded token).
     placement: ``colocated`` (all roles on one mesh) or ``disaggregated``.
+    offload_frozen: keep the frozen roles (REFERENCE, REWARD) in host memory (``pinned_host``)
+      between uses (:func:`rljax.sharding.placement.offload`; on CPU the same RAM).
 
   Returns:
-    ``None`` for a colocated run on one device without ``mesh`` (the plain single-device path).
+    ``None`` for a colocated run on one device without ``mesh`` or offload (the plain
+    single-device path).
 
   Raises:
     ValueError: an unknown preset or placement (naming it).
@@ -603,9 +685,10 @@ def make_placement(mesh: str | None = None, sharding_rules: str = "fsdp",
   cfg = mesh_lib.parse_mesh_flag(mesh)
   n = jax.device_count()
   if placement == "colocated":
-    if mesh is None and n == 1:
+    if mesh is None and n == 1 and not offload_frozen:
       return None
-    return placement_lib.Placement.colocated(mesh_lib.make_mesh(cfg), train_preset=preset)
+    return placement_lib.Placement.colocated(mesh_lib.make_mesh(cfg), train_preset=preset,
+                                             offload_frozen=offload_frozen)
   if n < 2:
     raise mesh_lib.MeshError(f"--placement=disaggregated needs >= 2 devices, got {n}")
   if mesh is None:
@@ -621,7 +704,8 @@ def make_placement(mesh: str | None = None, sharding_rules: str = "fsdp",
         f"--placement=disaggregated: the training mesh data={cfg.data} x fsdp={cfg.fsdp} x "
         f"tensor={cfg.tensor} = {num_train} devices leaves none of the {n} devices for generation")
   return placement_lib.Placement.disaggregated_split(num_generate=n - num_train, train_mesh=cfg,
-                                                     train_preset=preset)
+                                                     train_preset=preset,
+                                                     offload_frozen=offload_frozen)
 
 
 def train_layout(placement) -> "layout_lib.TrainLayout | None":

@@ -36,10 +36,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import logging
 from flax import nnx
 
 from rljax import kl as kl_lib
 from rljax import ppo
+from rljax.checkpoint import NonFiniteHalt  # one exception class for both trainers
 from rljax.alignment import losses, modeling
 from rljax.alignment.modeling import Role
 from rljax.envs.text import data as text_data
@@ -108,6 +110,14 @@ class RLHFConfig:
       ratio is exactly 1, as in TRL's ``GRPOTrainer`` with ``num_iterations=1`` (old =
       ``detach(new)``). ``logprob_drift`` is then not measured (NaN).
     seed: sampling, shuffling and minibatch seed.
+    nonfinite: what a non-finite reward (from ``reward_fn`` or the reward model, penalties
+      included), loss or gradient does (as in ``rljax.control.config.ControlConfig``):
+      ``"skip"`` skips that step's update (actor and critic parameters, optimizer states and
+      the KL controller unchanged; the step, data position and PRNG key advance) with a
+      warning naming the step and the quantity; ``"halt"`` raises
+      :class:`rljax.checkpoint.NonFiniteHalt` after that skipped step
+      (``rljax.alignment.checkpointing.train`` checkpoints its still finite state first).
+      Skips are counted in the ``nonfinite/skipped_updates`` metric.
   """
 
   algo: Algorithm = Algorithm.PPO
@@ -139,6 +149,7 @@ class RLHFConfig:
   overlong_factor: float = 1.0
   reuse_rollout_log_probs: bool = False
   seed: int = 0
+  nonfinite: str = "skip"
 
   def __post_init__(self):
     object.__setattr__(self, "algo", _enum(Algorithm, self.algo, "algo"))
@@ -157,6 +168,8 @@ class RLHFConfig:
         raise ValueError(f"{name} must be > 0, got {getattr(self, name)}.")
     if self.kl_coef < 0:
       raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}.")
+    if self.nonfinite not in ("skip", "halt"):
+      raise ValueError(f"nonfinite must be 'skip' or 'halt', got {self.nonfinite!r}.")
     if not 0 <= self.gamma <= 1 or not 0 <= self.gae_lambda <= 1:
       raise ValueError(f"gamma and gae_lambda must be in [0, 1], got {self.gamma}, {self.gae_lambda}.")
     if self.missing_eos_penalty is not None and self.missing_eos_penalty < 0:
@@ -203,13 +216,15 @@ RewardFn = Callable[[Samples], Sequence[float] | np.ndarray]
 
 class RLHFState(NamedTuple):
   """Train state: the trained roles' parameters and optimizer (``ppo.PPOState`` over
-  ``{"actor": ..., "critic": ...}``), KL controller, step, data position and PRNG key."""
+  ``{"actor": ..., "critic": ...}``), KL controller, step, data position, PRNG key and the
+  number of updates skipped so far by the non-finite guard."""
 
   ppo_state: ppo.PPOState
   kl_state: kl_lib.KLControllerState
   step: int
   data_position: text_data.DataPosition
   key: jax.Array
+  skipped_updates: int = 0
 
 
 def _critic_from_reward(reward_params):
@@ -227,6 +242,11 @@ def make_update_fn(actor_graphdef, critic_graphdef, optimizer, config: RLHFConfi
   ``ref_log_probs [B, R]``, ``values [B, R]`` (zeros without a critic), ``scores [B]`` and
   ``sampler_log_probs [B, R]``. ``extras`` returns the computed ``log_probs``, ``advantages``,
   ``returns`` and ``token_rewards`` for inspection. ``ppo_state`` is donated.
+
+  Non-finite guard: when a score is not finite, or a minibatch's loss or gradient is not
+  (``ppo_update`` skips those minibatches), the returned ``ppo_state`` is the input one,
+  selected in the jit (no host round trip); ``metrics`` then has ``nonfinite/skipped`` = 1
+  and ``nonfinite/reward``, ``nonfinite/loss_or_grad`` say why.
 
   ``out_shardings`` (optional, ``(ppo_state shardings, metrics sharding, extras sharding)``)
   pins the output layout on a mesh, so that a step's output state is laid out like its input
@@ -300,13 +320,23 @@ def make_update_fn(actor_graphdef, critic_graphdef, optimizer, config: RLHFConfi
         log_probs=old_lp, values=values, advantages=adv, returns=returns,
         kl_coef=jnp.broadcast_to(kl_coef, (n,)))
     in_loss = config.kl_placement == KLPlacement.LOSS and config.kl_coef > 0
+    old_state = state
     state, metrics = ppo.ppo_update(state, ppo_batch, key, apply_fn=apply_fn,
                                     optimizer=optimizer, config=pcfg,
                                     penalty_fn=_mean_coef(penalty_fn) if in_loss else None)
+    # Non-finite guard (as in rljax.control.trainer): a non-finite score, loss or gradient
+    # never reaches the actor or critic parameters or the optimizer states.
+    finite_reward = jnp.all(jnp.isfinite(batch["scores"]))
+    finite_update = metrics["nonfinite_steps"] == 0
+    apply = finite_reward & finite_update
+    state = jax.tree.map(lambda new, old: jnp.where(apply, new, old), state, old_state)
     drift = (jnp.float32(jnp.nan) if reuse
              else jnp.max(jnp.abs(old_lp - batch["sampler_log_probs"]) * mask))
     metrics = dict(metrics, kl=jnp.mean(kl_seq), kl_token=ppo.masked_mean(k_tok, mask),
                    logprob_drift=drift)
+    metrics["nonfinite/reward"] = 1.0 - finite_reward.astype(jnp.float32)
+    metrics["nonfinite/loss_or_grad"] = 1.0 - finite_update.astype(jnp.float32)
+    metrics["nonfinite/skipped"] = 1.0 - apply.astype(jnp.float32)
     extras = dict(log_probs=old_lp, advantages=adv, returns=returns, token_rewards=token_rewards)
     return state, metrics, extras
 
@@ -570,7 +600,13 @@ class RLHFTrainer:
     return jax.tree.map(put, tree)
 
   def step(self) -> dict[str, float]:
-    """One RLHF step; returns its metrics (floats)."""
+    """One RLHF step; returns its metrics (floats).
+
+    Raises:
+      rljax.checkpoint.NonFiniteHalt: ``config.nonfinite == "halt"`` and this step's
+        update was skipped (a non-finite reward, loss or gradient); ``self.state`` is then the
+        skipped step's (finite) state.
+    """
     cfg = self.config
     t_step = time.perf_counter()
     idx, pos = text_data.next_batch_indices(self.state.data_position, len(self.prompts),
@@ -629,8 +665,11 @@ class RLHFTrainer:
     metrics = _to_host(metrics)
     timing["timing/update"] = time.perf_counter() - t
 
-    kl_state = self.kl_controller.update(self.state.kl_state, metrics["kl"], cfg.batch_size)
-    self.state = RLHFState(ppo_state, kl_state, self.state.step + 1, pos, key)
+    skipped = bool(metrics["nonfinite/skipped"] > 0)
+    kl_state = (self.state.kl_state if skipped else
+                self.kl_controller.update(self.state.kl_state, metrics["kl"], cfg.batch_size))
+    num_skipped = self.state.skipped_updates + int(skipped)
+    self.state = RLHFState(ppo_state, kl_state, self.state.step + 1, pos, key, num_skipped)
     self.last_batch = dict(_to_host(batch), **_to_host(extras))
 
     lengths = out.lengths
@@ -651,8 +690,19 @@ class RLHFTrainer:
       rec[k] = float(metrics[k])
     if "kl_loss" in metrics:
       rec["kl_loss"] = float(metrics["kl_loss"])
+    for k in ("nonfinite/reward", "nonfinite/loss_or_grad"):
+      rec[k] = float(metrics[k])
+    rec["nonfinite/skipped_updates"] = float(num_skipped)
     timing["timing/step"] = time.perf_counter() - t_step
     rec.update(timing)
+    if skipped:
+      which = [k.split("/")[1] for k in ("nonfinite/reward", "nonfinite/loss_or_grad")
+               if rec[k] > 0]
+      msg = (f"non-finite {', '.join(which)} at RL step {self.state.step}: update skipped "
+             f"(actor, critic and optimizer states unchanged), {num_skipped} skipped in total")
+      if cfg.nonfinite == "halt":
+        raise NonFiniteHalt(msg)
+      logging.warning(msg)
     return rec
 
   def train(self, *, writer=None, log_every: int = 1, callback=None) -> list[dict[str, float]]:

@@ -57,7 +57,8 @@ class SFTConfig:
     group_size: examples per length-sorting window (0 or 1: no grouping).
     packing: pack several examples per row (:func:`pack_examples`) instead of bucketing. A step
       then takes ``round(batch_size * num_rows / num_examples)`` (>= 1) packed rows, i.e. about
-      ``batch_size`` examples, as without packing.
+      ``batch_size`` examples, as without packing; on a mesh, rounded to a multiple of the
+      data axes' size (at least one row per data shard).
     pack_length: row length when packing (0: the largest length bucket).
     seed: data shuffle seed.
     log_every: steps between metric records.
@@ -291,6 +292,11 @@ def train_sft(
     packed = pack_examples(examples, config.pack_length or config.length_buckets[-1], pad_id)
     num_rows = packed["tokens"].shape[0]
     rows_per_step = max(1, round(config.batch_size * num_rows / len(examples)))
+    if layout is not None:  # packed rows per step: a multiple of the data axes' size
+      from rljax.sharding import mesh as mesh_lib
+
+      n = mesh_lib.data_parallel_size(layout.mesh)
+      rows_per_step = max(n, round(rows_per_step / n) * n)
   if layout is not None:  # checked before anything compiles
     layout.check_batch(rows_per_step if config.packing else config.batch_size, what="batch_size")
     params, opt_state = layout.shard(params), layout.shard(opt_state)

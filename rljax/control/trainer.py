@@ -487,8 +487,7 @@ class Preempted(Exception):
     self.chunk = chunk
 
 
-class NonFiniteHalt(RuntimeError):
-  """Raised with ``nonfinite="halt"`` after checkpointing the last good state."""
+NonFiniteHalt = ckpt.NonFiniteHalt  # raised with nonfinite="halt" after checkpointing
 
 
 def _policy_item(ts: TrainState) -> dict[str, Any]:

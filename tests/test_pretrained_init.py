@@ -1,0 +1,140 @@
+"""``--model=HF_FOLDER`` (rljax.alignment.pipeline.load_pretrained): the alignment scripts start
+from a pretrained Hugging Face model (tokenizer and weights), as OpenRLHF's ``--pretrain``.
+
+Bad model folders (unsupported model_type, shape-mismatched tensors, missing folder or
+config.json) are script cases in tests/test_bad_input.py, which builds its folders with
+:func:`make_hf_folder` from here.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from rljax.alignment import pipeline
+from rljax.envs.text import data
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DIALOGUES = [
+    ("What is the capital of France?", "Paris is the capital of France.", "I do not know."),
+    ("How do I boil an egg?", "Put it in boiling water for eight minutes.", "Eggs are bad."),
+    ("Tell me a joke.", "Why did the chicken cross the road? To get to the other side.", "No."),
+    ("What is two plus two?", "Two plus two is four.", "Five."),
+]
+
+
+def hh_lines(n: int = 12) -> list[str]:
+  """``n`` HH-RLHF JSON lines (``chosen``/``rejected`` dialogues)."""
+  out = []
+  for i in range(n):
+    q, good, bad = DIALOGUES[i % len(DIALOGUES)]
+    head = f"\n\nHuman: Hello {i}.\n\nAssistant: Hi!\n\nHuman: {q}\n\nAssistant:"
+    out.append(json.dumps({"chosen": f"{head} {good}", "rejected": f"{head} {bad}"}))
+  return out
+
+
+def make_hf_folder(folder, *, seed: int = 0) -> str:
+  """A tiny Llama checkpoint folder as ``transformers`` writes one: config.json,
+  model.safetensors, tokenizer.json + tokenizer_config.json (a BPE tokenizer with a chat
+  template, no pad token, as Llama's), with a model vocabulary padded past the tokenizer's."""
+  import torch
+  import transformers
+
+  folder = str(folder)
+  texts = [json.loads(line)["chosen"] for line in hh_lines()] * 4
+  tok = data.train_bpe_tokenizer(texts, vocab_size=300)
+  hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.backend,
+                                                bos_token=data.BOS, eos_token=data.EOS)
+  hf_tok.chat_template = tok.chat_template
+  hf_tok.save_pretrained(folder)
+  torch.manual_seed(seed)
+  config = transformers.LlamaConfig(
+      vocab_size=tok.vocab_size + 7, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+      num_attention_heads=2, num_key_value_heads=1, initializer_range=0.2,
+      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+  transformers.LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+  return folder
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+  return make_hf_folder(tmp_path_factory.mktemp("hf") / "tiny-llama")
+
+
+def _hf_logits(folder, tokens):
+  import torch
+  import transformers
+
+  hf = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
+  with torch.no_grad():
+    return hf(torch.tensor(tokens)).logits.numpy()
+
+
+def test_load_pretrained_matches_transformers(hf_folder):
+  import transformers
+
+  model, tok = pipeline.load_pretrained(hf_folder)
+  hf_tok = transformers.AutoTokenizer.from_pretrained(hf_folder)
+  text = "Hello. What is two plus two?"
+  assert tok.encode(text) == hf_tok(text).input_ids
+  assert tok.eos_token_id == hf_tok.eos_token_id == model.config.eos_token_id[0]
+  assert tok.pad_token_id == tok.eos_token_id  # no pad token in the folder: pads with EOS
+  assert model.config.vocab_size == tok.vocab_size + 7
+  tokens = np.asarray([tok.encode(text)])
+  np.testing.assert_allclose(np.asarray(model(tokens)), _hf_logits(hf_folder, tokens),
+                             atol=1e-4)
+
+
+def test_sft_stage_starts_from_the_pretrained_model(hf_folder, tmp_path, monkeypatch):
+  """run_preference with ``model``: no pre-training; the model handed to SFT has the
+  checkpoint's logits (checked against transformers on an SFT example of the data)."""
+  path = tmp_path / "hh.jsonl"
+  path.write_text("\n".join(hh_lines()) + "\n")
+  calls = []
+
+  def fake_train_sft(model, examples, config, *, prefix="", **kw):
+    prompt, response = examples[0]
+    tokens = np.asarray([list(prompt) + list(response)])
+    calls.append((prefix, tokens, np.asarray(model(tokens))))
+    return model, None, [{f"{prefix}loss": 0.0}]
+
+  monkeypatch.setattr(pipeline.sft, "train_sft", fake_train_sft)
+  cfg = pipeline.PreferenceConfig(model=hf_folder, pretrain_steps=5, sft_steps=2)
+  s = pipeline.run_preference(str(path), cfg, logdir=str(tmp_path / "run"), stop_after="sft",
+                              log=lambda msg: None)
+  assert s["num_pairs"] == 12
+  assert [c[0] for c in calls] == ["sft/"]  # pre-training skipped
+  _, tokens, logits = calls[0]
+  np.testing.assert_allclose(logits, _hf_logits(hf_folder, tokens), atol=1e-4)
+  # The run's saved tokenizer is the model's (so a resumed run tokenizes the same way).
+  saved = os.path.join(str(tmp_path / "run"), "tokenizer")
+  from rljax.models.tokenizer import load_tokenizer
+
+  assert load_tokenizer(saved).encode("What is two plus two?") == \
+      pipeline.load_pretrained(hf_folder)[1].encode("What is two plus two?")
+
+
+def test_tokenizer_with_model_is_refused():
+  with pytest.raises(ValueError, match="--tokenizer cannot be combined with --model"):
+    pipeline.PreferenceConfig(model="m", tokenizer="t")
+
+
+@pytest.mark.slow
+def test_train_sft_script_with_model(hf_folder, tmp_path):
+  path = tmp_path / "hh.jsonl"
+  path.write_text("\n".join(hh_lines()) + "\n")
+  logdir = tmp_path / "run"
+  out = subprocess.run(
+      [sys.executable, os.path.join(REPO, "experiments", "train_sft.py"),
+       f"--preference_data={path}", f"--model={hf_folder}", "--num_steps=2",
+       f"--logdir={logdir}"],
+      capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "SFT on 12 chosen responses" in out.stdout
+  assert "pretrain:" not in out.stdout + out.stderr
+  records = [json.loads(line) for line in open(logdir / "metrics.jsonl")]
+  assert any("sft/loss" in r for r in records)
+  assert not any("pretrain/loss" in r for r in records)

@@ -1,0 +1,106 @@
+"""Exact resume of the --preference_data pipeline (experiments/train_rlhf.py ->
+rljax.alignment.pipeline.run_preference): a run SIGKILLed after its checkpoint of RL step 2 and
+resumed ends with the same state, bit for bit, as an uninterrupted run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from rljax.alignment import checkpointing
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "experiments", "train_rlhf.py")
+
+# A tiny HH-RLHF run: BPE tokenizer of <= 300 tokens on 40 dialogue pairs, 10 steps each of
+# pre-training, SFT and reward-model training, then PPO (reward model, critic from it,
+# adaptive KL) for LAST_STEP steps of 4 prompts, a checkpoint after every step.
+LAST_STEP = 6
+KILL_AFTER = 2
+FLAGS = ["--vocab_size=300", "--pretrain_steps=10", "--sft_steps=10", "--rm_steps=10",
+         f"--num_steps={LAST_STEP}", "--prompts_per_step=4", "--checkpoint_every=1",
+         "--keep_checkpoints=10"]
+TOPICS = ["cats", "the weather", "cooking rice", "a bike", "the moon", "tea", "running", "books"]
+
+
+def _write_pairs(path, n=40):
+  """HH-RLHF lines: two dialogues sharing the prompt up to the last "\\n\\nAssistant:"."""
+  with open(path, "w", encoding="utf-8") as f:
+    for i in range(n):
+      t = TOPICS[i % len(TOPICS)]
+      prompt = f"\n\nHuman: Tell me about {t}, please ({i}).\n\nAssistant:"
+      if i % 3 == 0:  # some two-turn dialogues
+        prompt = f"\n\nHuman: Hi!\n\nAssistant: Hello.\n\nHuman: And {t}? ({i})\n\nAssistant:"
+      f.write(json.dumps({
+          "chosen": prompt + f" Sure, here is a short helpful answer about {t}.",
+          "rejected": prompt + f" No. Go away, {t} is boring.",
+      }) + "\n")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+  root = tmp_path_factory.mktemp("pref")
+  data = str(root / "pairs.jsonl")
+  _write_pairs(data)
+  return data, str(root / "jax_cache")
+
+
+def _cmd(data, logdir, cache):
+  # One persistent compilation cache: later runs load the programs the first compiled.
+  return [sys.executable, SCRIPT, f"--preference_data={data}", f"--logdir={logdir}",
+          f"--compilation_cache_dir={cache}", *FLAGS]
+
+
+def _final_items(logdir):
+  step, policy, train = checkpointing.load_state_items(logdir, step=LAST_STEP)
+  assert step == LAST_STEP
+  assert any(k.startswith("['critic']") for k in train) and "key" in train
+  return policy, train
+
+
+def _rl_records(logdir):
+  """metrics.jsonl's RL records without wall times (which differ between runs)."""
+  return [{k: v for k, v in r.items() if not k.startswith("timing/")}
+          for r in checkpointing.rl_history(os.path.join(logdir, "metrics.jsonl"))]
+
+
+@pytest.mark.slow
+def test_preference_sigkill_then_resume_is_bitwise_exact(setup, tmp_path):
+  data, cache = setup
+  ref = str(tmp_path / "ref")
+  out = subprocess.run(_cmd(data, ref, cache), capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+
+  logdir = str(tmp_path / "run")
+  proc = subprocess.Popen(_cmd(data, logdir, cache), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  path, t0 = os.path.join(logdir, "checkpoints", str(KILL_AFTER)), time.time()
+  while not os.path.isdir(path):
+    assert proc.poll() is None, f"training exited early: {proc.communicate()}"
+    assert time.time() - t0 < 300, f"no checkpoint {KILL_AFTER} after 300 s"
+    time.sleep(0.01)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait(timeout=60)
+  assert proc.returncode == -signal.SIGKILL
+  saved = sorted(int(d) for d in os.listdir(os.path.join(logdir, "checkpoints")) if d.isdigit())
+  assert KILL_AFTER <= saved[-1] < LAST_STEP, saved
+
+  out = subprocess.run(_cmd(data, logdir, cache), capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert f"resuming {logdir} after RL step {saved[-1]}" in out.stdout, out.stdout[-2000:]
+  # The frozen roles and the tokenizer come from the interrupted run, not re-trained.
+  assert "loaded the SFT and reward models from" in out.stdout
+  assert "pretrain:" not in out.stdout and "reward model: held-out" not in out.stdout
+  # Actor (policy item); critic, both optimizer states, KL controller, step, data position
+  # and PRNG key (train_state item): bit for bit.
+  for a, b in zip(_final_items(logdir), _final_items(ref)):
+    assert sorted(a) == sorted(b)
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+  # Every RL step's metrics (rewards, KL, losses, ...) equal the uninterrupted run's too.
+  assert _rl_records(logdir) == _rl_records(ref)
