@@ -16,9 +16,8 @@ layout. Two constructors cover the usual set-ups:
 also lists a ``pinned_host`` memory and honours the memory kind (``arr.sharding.memory_kind ==
 'pinned_host'``), but device and host memory are the same RAM, so offload on CPU saves nothing: it
 only exercises the code path. Where a backend has no ``pinned_host`` memory, :func:`offload` is a
-no-op that returns the tree unchanged (see :func:`host_memory_kind`). It is also a no-op on CPU
-in a multi-process run: there, with jax 0.10, the first collective after bringing offloaded
-arrays back hung (observed with 2 processes on 127.0.0.1), and on CPU it would save nothing.
+no-op that returns the tree unchanged (see :func:`host_memory_kind`). Multi-process CPU runs work
+too (tests/test_distributed_rlhf_script.py offloads on 2 processes).
 """
 
 from __future__ import annotations
@@ -173,8 +172,7 @@ def offload(tree: Any, placement: RolePlacement) -> Any:
   """Moves ``tree`` to host memory (``pinned_host``) in ``placement``'s sharding; a no-op (same
   tree) when the backend has no ``pinned_host`` memory."""
   kind = host_memory_kind(placement.mesh)
-  if kind is None or (jax.process_count() > 1
-                      and placement.mesh.devices.flat[0].platform == "cpu"):
+  if kind is None:
     return tree
   return rules_lib.shard(tree, placement.mesh, placement.preset, memory_kind=kind)
 

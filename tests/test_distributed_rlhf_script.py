@@ -1,9 +1,9 @@
 """`experiments/train_rlhf.py` unchanged as 2 processes (jax.distributed on 127.0.0.1).
 
-A 2-process run (colocated on both processes' devices) and a 1-process run of the same command
-(with the frozen roles offloaded to host memory, ``--offload_frozen``), started together, end
-with the same parameters and metrics; the 2-process run logs each step once; and its checkpoint
-resumes in 1 process.
+A 2-process run (colocated on both processes' devices, the frozen roles offloaded to host
+memory with ``--offload_frozen``) and a plain 1-process run of the same command, started
+together, end with the same parameters and metrics; the 2-process run logs each step once; and
+its checkpoint resumes in 1 process.
 """
 
 import json
@@ -60,10 +60,10 @@ def runs(tmp_path_factory):
   port = _free_port()
   spawn = lambda args: subprocess.Popen([sys.executable, SCRIPT, *FLAGS, *args], text=True,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
-  procs = [spawn([f"--logdir={two}", f"--coordinator_address=127.0.0.1:{port}",
+  procs = [spawn([f"--logdir={two}", "--offload_frozen", f"--coordinator_address=127.0.0.1:{port}",
                   "--num_processes=2", f"--process_id={i}", "--heartbeat_timeout_s=30"])
            for i in range(2)]
-  procs.append(spawn([f"--logdir={one}", "--offload_frozen"]))
+  procs.append(spawn([f"--logdir={one}"]))
   _wait(procs)
   return two, one, str(root)
 
