@@ -1,31 +1,16 @@
 """rljax.sharding.distributed: 2 local processes on 127.0.0.1, and the lost-process fault."""
 
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from _multiprocess import free_port, subprocess_env
 
 from rljax.sharding import distributed
 
 WORKER = os.path.join(os.path.dirname(__file__), "_dist_worker.py")
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _env():
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  for k in list(env):
-    if k.startswith("SLURM_"):
-      env.pop(k)
-  return env
 
 
 def _result(out: str) -> list[str]:
@@ -47,13 +32,13 @@ def test_config_validation_names_values():
 
 @pytest.mark.slow
 def test_two_processes_equal_one_process():
-  one = subprocess.run([sys.executable, WORKER], capture_output=True, text=True, timeout=120, env=_env())
+  one = subprocess.run([sys.executable, WORKER], capture_output=True, text=True, timeout=120, env=subprocess_env(cpu=False))
   assert one.returncode == 0, one.stderr[-3000:]
-  port = _free_port()
+  port = free_port()
   procs = [subprocess.Popen(
       [sys.executable, WORKER, f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
        f"--process_id={i}", "--heartbeat_timeout_s=10"],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()) for i in range(2)]
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(cpu=False)) for i in range(2)]
   outs = [p.communicate(timeout=180) for p in procs]
   for p, (out, err) in zip(procs, outs):
     assert p.returncode == 0, err[-3000:]
@@ -67,13 +52,13 @@ def test_two_processes_equal_one_process():
 
 @pytest.mark.slow
 def test_killed_process_makes_the_other_exit_within_20s():
-  port = _free_port()
+  port = free_port()
   args = [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", "--heartbeat_timeout_s=5",
           "--hang_after_init"]
   p0 = subprocess.Popen([sys.executable, WORKER, *args, "--process_id=0"], stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT, text=True, env=_env())
+                        stderr=subprocess.STDOUT, text=True, env=subprocess_env(cpu=False))
   p1 = subprocess.Popen([sys.executable, WORKER, *args, "--process_id=1"], stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT, text=True, env=_env())
+                        stderr=subprocess.STDOUT, text=True, env=subprocess_env(cpu=False))
   try:
     deadline = time.time() + 120
     for line in p1.stdout:  # wait until both run cross-process steps

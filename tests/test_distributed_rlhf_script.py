@@ -9,12 +9,12 @@ its checkpoint resumes in 1 process.
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from _multiprocess import free_port, subprocess_env
 
 from rljax.alignment import checkpointing
 
@@ -27,18 +27,6 @@ FLAGS = ["--pretrain_steps=4", "--sft_steps=4", "--num_eval_prompts=0",
 TOL = 1e-5  # the 2-process gradient is an all-reduce of 2 halves: equal up to f32 rounding
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _env():
-  env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
-  return env
 
 
 def _wait(procs, timeout=600):
@@ -57,9 +45,9 @@ def _wait(procs, timeout=600):
 def runs(tmp_path_factory):
   root = tmp_path_factory.mktemp("dist_rlhf")
   two, one = str(root / "two"), str(root / "one")
-  port = _free_port()
+  port = free_port()
   spawn = lambda args: subprocess.Popen([sys.executable, SCRIPT, *FLAGS, *args], text=True,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env())
   procs = [spawn([f"--logdir={two}", "--offload_frozen", f"--coordinator_address=127.0.0.1:{port}",
                   "--num_processes=2", f"--process_id={i}", "--heartbeat_timeout_s=30"])
            for i in range(2)]
@@ -109,7 +97,7 @@ def test_two_process_checkpoint_resumes_in_one_process(runs):
   shutil.copytree(two, resumed)
   shutil.rmtree(os.path.join(resumed, "checkpoints", str(LAST_STEP)))
   out = subprocess.run([sys.executable, SCRIPT, *FLAGS, f"--logdir={resumed}"], text=True,
-                       capture_output=True, env=_env(), timeout=600)
+                       capture_output=True, env=subprocess_env(), timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   assert f"resuming {resumed} after RL step {LAST_STEP - 1}" in out.stdout + out.stderr
   _assert_close(_items(resumed), _items(two))

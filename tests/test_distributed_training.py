@@ -8,27 +8,15 @@ fsdp rules over both processes' devices), and a checkpoint saved by the 2 proces
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+from _multiprocess import free_port, subprocess_env
 
 WORKER = os.path.join(os.path.dirname(__file__), "_dist_train_worker.py")
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _env():
-  env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
-  return env
 
 
 def _result(out: str) -> dict:
@@ -40,13 +28,13 @@ def _result(out: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   logdir = str(tmp_path_factory.mktemp("dist"))
-  port = _free_port()
+  port = free_port()
   cmd = [sys.executable, WORKER, f"--logdir={logdir}"]
   multi = [subprocess.Popen(
       cmd + [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}",
              "--heartbeat_timeout_s=20"],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()) for i in range(2)]
-  one = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env()) for i in range(2)]
+  one = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
   try:
     outs = [p.communicate(timeout=600) for p in (*multi, one)]
   finally:
