@@ -8,12 +8,16 @@ both; 8 prompts x 4 generations; 64-token prompts; 32 new tokens; a programmatic
 fraction of even token ids in the completion). TRL runs with its defaults (bf16 autocast,
 gradient checkpointing, beta = 0) and with fp32 and beta = 0.04; rljax runs GRPO at the same
 beta (k3 in the loss, as TRL) with ``reuse_rollout_log_probs`` (one epoch, one minibatch: the old
-log-probs are the sampler's, no extra forward pass, as TRL's ``num_iterations=1``). Step times
-are medians over ``--steps`` steps after warm-up. The load average is recorded in the JSON.
+log-probs are the sampler's, no extra forward pass, as TRL's ``num_iterations=1``), and at the
+same precision: against TRL's bf16 autocast with ``compute_dtype="bfloat16"`` (bf16 matmuls,
+f32 master weights and optimizer; rljax's f32 time is reported beside it), against fp32 in f32.
+Step times are medians over ``--steps`` steps after warm-up. The load average is recorded in
+the JSON.
 
 ``flops_floor_s`` = the step's matmul FLOPs divided by this machine's measured f32 matmul
-throughput. With ``N_body`` the transformer's non-embedding parameters and ``N_head`` the LM
-head's, one pass over the batch costs ``2 * N_body`` per token of the prompt + response and
+throughput (``flops_floor_bf16_s``: divided by its bf16 matmul throughput, the floor of a bf16
+step). With ``N_body`` the transformer's non-embedding parameters and ``N_head`` the LM head's,
+one pass over the batch costs ``2 * N_body`` per token of the prompt + response and
 ``2 * N_head`` per *response* token (both trainers compute logits only where log-probs are
 needed; generation needs them only for the new tokens). The step is generation (1 pass),
 the reference forward (1 pass, only when beta > 0) and the policy's forward + backward (3
@@ -71,12 +75,13 @@ def even_fraction(ids) -> float:
   return float(np.mean([i % 2 == 0 for i in ids])) if ids else 0.0
 
 
-def matmul_flops_per_s() -> float:
+def matmul_flops_per_s(dtype: str = "float32") -> float:
+  """This machine's 1024^3 matmul rate (FLOP/s) in ``dtype`` (f32 accumulation for bf16)."""
   import jax
   import jax.numpy as jnp
 
-  a = jnp.ones((1024, 1024), jnp.float32)
-  f = jax.jit(lambda x: x @ x)
+  a = jnp.ones((1024, 1024), dtype)
+  f = jax.jit(lambda x: jnp.matmul(x, x, preferred_element_type=jnp.float32))
   f(a).block_until_ready()
   t = time.perf_counter()
   for _ in range(10):
@@ -96,7 +101,8 @@ def flops_floor(beta: float, throughput: float) -> float:
   return passes * one_pass / throughput
 
 
-def rljax_step(path: str, beta: float, steps: int, reuse_rollout_log_probs: bool = True) -> dict:
+def rljax_step(path: str, beta: float, steps: int, reuse_rollout_log_probs: bool = True,
+               compute_dtype: str = "float32") -> dict:
   import jax
 
   from rljax import ppo
@@ -115,7 +121,8 @@ def rljax_step(path: str, beta: float, steps: int, reuse_rollout_log_probs: bool
   cfg = rlhf.RLHFConfig(
       algo="grpo", num_steps=steps + 2, prompts_per_step=PROMPTS, group_size=GROUP,
       max_new_tokens=NEW, actor_lr=1e-5, kl_coef=beta, kl_estimator="k3", kl_placement="loss",
-      reuse_rollout_log_probs=reuse_rollout_log_probs, ppo=ppo.PPOConfig(num_epochs=1, num_minibatches=1, normalize_advantages=False))
+      reuse_rollout_log_probs=reuse_rollout_log_probs, compute_dtype=compute_dtype,
+      ppo=ppo.PPOConfig(num_epochs=1, num_minibatches=1, normalize_advantages=False))
   reward = lambda s: np.asarray([even_fraction(r) for r in s.response_ids], np.float32)
   tr = rlhf.RLHFTrainer(cfg, actor=model, tokenizer=Tok(), prompts=prompts, reward_fn=reward)
   recs = [tr.step() for _ in range(steps + 2)][2:]  # two warm-up steps (compilation)
@@ -167,30 +174,35 @@ def main():
   ap.add_argument("--skip_trl", action="store_true", help="time rljax only")
   a = ap.parse_args()
   load_start = os.getloadavg()
-  throughput = matmul_flops_per_s()
+  throughput = {dt: matmul_flops_per_s(dt) for dt in ("float32", "bfloat16")}
   rows = []
   with tempfile.TemporaryDirectory() as path:
     make_checkpoint(path)
     for name, beta, bf16 in (("TRL defaults (bf16, grad ckpt, beta=0)", 0.0, True),
                              ("fp32, beta=0.04", 0.04, False)):
-      rj = rljax_step(path, beta, a.steps)
+      rj = rljax_step(path, beta, a.steps, compute_dtype="bfloat16" if bf16 else "float32")
+      rj_f32 = rljax_step(path, beta, a.steps)["step_s"] if bf16 else rj["step_s"]
       trl_s = None if a.skip_trl else trl_step(path, beta, bf16, a.steps)
       rows.append(dict(setting=name, beta=beta, rljax_step_s=rj["step_s"], trl_step_s=trl_s,
                        ratio_vs_trl=None if trl_s is None else trl_s / rj["step_s"],
-                       rljax_phases=rj, flops_floor_s=flops_floor(beta, throughput)))
-  print(f"{'setting':42s} {'rljax s':>8s} {'TRL s':>8s} {'ratio':>6s} {'floor s':>8s}")
+                       rljax_compute_dtype="bfloat16" if bf16 else "float32",
+                       rljax_f32_step_s=rj_f32, rljax_phases=rj,
+                       flops_floor_s=flops_floor(beta, throughput["float32"]),
+                       flops_floor_bf16_s=flops_floor(beta, throughput["bfloat16"])))
+  print(f"{'setting':42s} {'rljax s':>8s} {'(f32 s)':>8s} {'TRL s':>8s} {'ratio':>6s} "
+        f"{'f32 floor s':>11s} {'bf16 floor s':>12s}")
   for r in rows:
     trl_txt = "-" if r["trl_step_s"] is None else f"{r['trl_step_s']:.3f}"
     ratio = "-" if r["ratio_vs_trl"] is None else f"{r['ratio_vs_trl']:.2f}"
-    print(f"{r['setting']:42s} {r['rljax_step_s']:8.3f} {trl_txt:>8s} {ratio:>6s} "
-          f"{r['flops_floor_s']:8.3f}")
+    print(f"{r['setting']:42s} {r['rljax_step_s']:8.3f} {r['rljax_f32_step_s']:8.3f} "
+          f"{trl_txt:>8s} {ratio:>6s} {r['flops_floor_s']:11.3f} {r['flops_floor_bf16_s']:12.3f}")
   # Headline: against the faster TRL setting.
   timed = [r for r in rows if r["trl_step_s"] is not None]
   head = min(timed, key=lambda r: r["trl_step_s"]) if timed else rows[0]
   result = dict(rljax_step_s=head["rljax_step_s"], trl_step_s=head["trl_step_s"],
                 ratio_vs_trl=head["ratio_vs_trl"], rljax_phases=head["rljax_phases"],
-                flops_floor_s=head["flops_floor_s"], headline_setting=head["setting"],
-                matmul_flops_per_s=throughput, rows=rows,
+                flops_floor_s=head["flops_floor_s"], flops_floor_bf16_s=head["flops_floor_bf16_s"],
+                headline_setting=head["setting"], matmul_flops_per_s=throughput, rows=rows,
                 load_average_start=load_start, load_average_end=os.getloadavg())
   print(f"load average (1, 5, 15 min): start {load_start}, end {result['load_average_end']}")
   if a.out:

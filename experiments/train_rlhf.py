@@ -59,6 +59,9 @@ _LIMIT = flags.DEFINE_integer("limit", None, "Read at most this many preference 
 _NONFINITE = flags.DEFINE_enum(
     "nonfinite", None, ["skip", "halt"], "A non-finite reward, loss or gradient: skip that "
     "update with a warning, or halt (exit 3) after checkpointing the last good state.")
+_COMPUTE_DTYPE = flags.DEFINE_enum(
+    "compute_dtype", None, ["float32", "bfloat16"], "Mixed precision: the dtype of every forward "
+    "and backward matmul (bfloat16: as TRL's --bf16 autocast); weights and optimizer stay f32.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed.")
 _CACHE = flags.DEFINE_bool("compilation_cache", True, "Use JAX's persistent compilation cache.")
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Print tracebacks for user errors.")
@@ -101,7 +104,8 @@ def rl_overrides() -> dict:
   for key, flag in (("num_steps", _STEPS), ("kl_coef", _KL), ("kl_estimator", _KL_EST),
                     ("kl_placement", _KL_IN), ("adaptive_kl", _ADAPTIVE), ("kl_target", _KL_TARGET),
                     ("overlong_buffer", _OVERLONG), ("kl_horizon", _KL_HORIZON),
-                    ("actor_lr", _ACTOR_LR), ("nonfinite", _NONFINITE)):
+                    ("actor_lr", _ACTOR_LR), ("nonfinite", _NONFINITE),
+                    ("compute_dtype", _COMPUTE_DTYPE)):
     if flag.value is not None:
       out[key] = flag.value
   return out

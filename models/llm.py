@@ -32,6 +32,7 @@ Hugging Face tensors.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -448,13 +449,49 @@ def attention_mask_for(
   return causal[None] & key_mask.astype(bool)[:, None, :]
 
 
-def _dot(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
-  """``einsum`` accumulated in f32 and returned in ``x.dtype``.
+def _dot(equation: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+  """``einsum`` accumulated in f32 and returned in ``out_dtype`` (default ``x.dtype``).
 
   For bf16 operands this is both more accurate and, on CPU, about twice as fast as a dot with a
-  bf16 result (XLA then uses the native bf16 dot-product instructions).
+  bf16 result (XLA then uses the native bf16 dot-product instructions). When both operands are
+  bf16 the backward pass is bf16 too (:func:`_dot_low_precision`).
   """
-  return jnp.einsum(equation, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+  out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+  if x.dtype == w.dtype and x.dtype != jnp.float32:
+    return _dot_low_precision(equation, out_dtype, x, w)
+  return jnp.einsum(equation, x, w, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _dot_low_precision(equation: str, out_dtype, x: jax.Array, w: jax.Array) -> jax.Array:
+  """:func:`_dot` for two operands of one low-precision dtype (bf16), with a backward pass whose
+  dots also take low-precision operands (the cotangent is cast to it; accumulation is f32), as
+  PyTorch's bf16 autocast does.
+
+  Plain autodiff would carry an f32 cotangent (of the ``astype`` or of an f32 result) into the
+  backward dots, which then run in f32 at half the speed. ``equation`` is ``"a,b->c"`` without
+  an index that is summed inside one operand alone (true of every dot in this model), so the
+  transposes are ``dx = einsum("c,b->a", g, w)`` and ``dw = einsum("a,c->b", x, g)``.
+  """
+  return jnp.einsum(equation, x, w, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def _dot_low_precision_fwd(equation, out_dtype, x, w):
+  return _dot_low_precision(equation, out_dtype, x, w), (x, w)
+
+
+def _dot_low_precision_bwd(equation, out_dtype, residuals, g):
+  del out_dtype
+  x, w = residuals
+  inputs, out = equation.split("->")
+  a, b = inputs.split(",")
+  g = g.astype(x.dtype)
+  dx = jnp.einsum(f"{out},{b}->{a}", g, w, preferred_element_type=jnp.float32)
+  dw = jnp.einsum(f"{a},{out}->{b}", x, g, preferred_element_type=jnp.float32)
+  return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_dot_low_precision.defvjp(_dot_low_precision_fwd, _dot_low_precision_bwd)
 
 
 def _param(rngs: nnx.Rngs, shape, dtype, names: axes.LogicalAxes, *, init: str = "normal",
@@ -484,7 +521,9 @@ class RMSNorm(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-    return self.scale[...] * y.astype(x.dtype)
+    # Scaled in f32 and rounded once: for bf16 the scale's gradient is then an f32 reduction
+    # (XLA CPU turns a bf16 one into a slow precision-preserving reduce-window).
+    return (self.scale[...].astype(jnp.float32) * y).astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -552,7 +591,7 @@ class Attention(nnx.Module):
     q = q * jnp.asarray(self.head_dim ** -0.5, q.dtype)
     qg = q.reshape(b, t, self.num_kv_heads, self.num_groups, self.head_dim)
     qg = jnp.swapaxes(qg, 1, 2)                                      # [B, K, T, G, D]
-    scores = jnp.einsum("BKTGD,BKDS->BKTGS", qg, k, preferred_element_type=jnp.float32)
+    scores = _dot("BKTGD,BKDS->BKTGS", qg, k, out_dtype=jnp.float32)
     scores = jnp.where(mask[:, None, :, None, :], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = _dot("BKTGS,BKSD->BKTGD", probs, v).astype(x.dtype)
@@ -720,12 +759,8 @@ class DecoderLM(nnx.Module):
   def logits(self, hidden: jax.Array) -> jax.Array:
     """LM head: ``[..., E] -> [..., V]`` f32 (f32 accumulation also for bf16 weights)."""
     if self.lm_head is None:
-      out = jnp.einsum("...E,VE->...V", hidden, self.embed[...],
-                       preferred_element_type=jnp.float32)
-    else:
-      out = jnp.einsum("...E,EV->...V", hidden, self.lm_head[...],
-                       preferred_element_type=jnp.float32)
-    return out.astype(jnp.float32)
+      return _dot("...E,VE->...V", hidden, self.embed[...], out_dtype=jnp.float32)
+    return _dot("...E,EV->...V", hidden, self.lm_head[...], out_dtype=jnp.float32)
 
   def values(self, hidden: jax.Array) -> jax.Array:
     """Value (critic) head: one f32 scalar per token, ``[B, T, E] -> [B, T]``."""

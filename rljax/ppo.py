@@ -259,7 +259,8 @@ def ppo_loss(
     old_values: same shape, value predictions of the rollout.
     returns: same shape, value targets.
     mask: same shape, 1.0 for real steps, 0.0 for padding.
-    entropy: same shape, per-step policy entropy (nats).
+    entropy: same shape, per-step policy entropy (nats). With ``config.entropy_coef == 0``
+      it is only a metric and gets no gradient (``stop_gradient``).
     config: the loss hyperparameters.
     normalizer: optional global token count for ``TOKEN_MEAN`` aggregation.
 
@@ -290,6 +291,10 @@ def ppo_loss(
     )
     v_err = jnp.maximum(v_err, jnp.square(values_clipped - returns))
   vf_loss = 0.5 * agg(v_err)
+  if config.entropy_coef == 0:
+    # A metric only: without this, 0 * H still back-propagates through the entropy (XLA
+    # keeps 0 * x for NaN semantics), a full softmax-sized backward pass for nothing.
+    entropy = jax.lax.stop_gradient(entropy)
   entropy_mean = agg(entropy)
   loss = pg_loss + config.vf_coef * vf_loss - config.entropy_coef * entropy_mean
 

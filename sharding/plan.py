@@ -13,12 +13,14 @@ For each role (:class:`rljax.sharding.placement.Role`) it counts, per device (by
   (``K`` split over ``tensor`` when it divides);
 * activations (trainable roles). rljax's decoder trains without rematerialisation, and XLA
   then keeps every layer's working set for the backward pass. Per token and layer that is
-  ``12.8 E + 4.0 M/t`` f32 values, plus ``1.9 H/t S`` f32 attention values, plus ``1.4 V/t``
-  f32 logit values per token for the LM head: ``L (B/dp) S (12.8 E + 4.0 M/t) 4 +
-  1.9 L (B/dp) (H/t) S^2 4 + 1.4 (B/dp) S (V/t) 4`` bytes. The constants are fitted (non-negative
-  least squares) to XLA's ``temp_size_in_bytes`` for the gradient of the LM loss on 30 small
-  configs (f32 and bf16; L 1-3, E 64-128, M 128-256, H 4-8, V 256-1024, 128-512 tokens): mean
-  error 6%, 29 of 30 within 15%, worst 24% (a 1-layer model whose logits dominate).
+  ``c_E E + c_M M/t`` f32 values, plus ``c_A H/t S`` f32 attention values, plus ``c_V V/t``
+  f32 logit values per token for the LM head: ``L (B/dp) S (c_E E + c_M M/t) 4 +
+  c_A L (B/dp) (H/t) S^2 4 + c_V (B/dp) S (V/t) 4`` bytes. The constants are fitted
+  (non-negative least squares on the relative error) to XLA's ``temp_size_in_bytes`` for the
+  gradient of the LM loss on 15 small configs per dtype (L 1-3, E 64-128, M 128-256, H 4-8,
+  V 256-1024, 128-512 tokens): f32 ``(10.02, 5.45, 2.20, 1.07)``, mean error 2.5%, worst 12%;
+  bf16 ``(10.29, 2.08, 1.42, 1.37)`` (its backward dots are bf16 too,
+  ``rljax.models.llm._dot``), mean error 4.8%, 14 of 15 within 15%, worst 17%.
   ``PlanConfig.remat`` instead assumes per-layer rematerialisation, as large runs use (rljax's
   model does not implement it yet): the layer inputs ``L (B/dp) S E`` in the parameter dtype,
   one layer's working set and the logits and their gradient; that variant is not validated.
@@ -152,8 +154,9 @@ class RoleBytes:
     return self.params + self.grads + self.optimizer + self.kv_cache + self.activations
 
 
-# Activation constants without remat (f32 values per token and layer, see the module docstring).
-_ACT_E, _ACT_M, _ACT_ATTN, _ACT_LOGITS = 12.82, 3.99, 1.87, 1.39
+# Activation constants without remat, per parameter dtype (f32 values per token and layer, see
+# the module docstring): (E, M, attention, logits).
+_ACT_CONSTANTS = {"float32": (10.02, 5.45, 2.20, 1.07), "bfloat16": (10.29, 2.08, 1.42, 1.37)}
 
 
 def _shards(preset: Preset, fsdp: int, tensor: int) -> int:
@@ -185,8 +188,9 @@ def role_bytes(role: str, shape: ModelShape, mesh: tuple[int, int, int], cfg: Pl
   if trainable and cfg.remat:
     act = l * b * s * e * pb + layer_ws + 2 * vocab_out
   elif trainable:  # every layer's working set kept for the backward pass (fitted to XLA)
-    act = (l * b * s * (_ACT_E * e + _ACT_M * m / t) * 4
-           + _ACT_ATTN * l * b * (shape.num_heads / t) * s * s * 4 + _ACT_LOGITS * vocab_out)
+    c_e, c_m, c_attn, c_logits = _ACT_CONSTANTS.get(cfg.param_dtype, _ACT_CONSTANTS["float32"])
+    act = (l * b * s * (c_e * e + c_m * m / t) * 4
+           + c_attn * l * b * (shape.num_heads / t) * s * s * 4 + c_logits * vocab_out)
   else:
     act = layer_ws + vocab_out
   return RoleBytes(params=params, grads=grads, optimizer=optimizer, kv_cache=kv, activations=act)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -118,6 +119,13 @@ class RLHFConfig:
       :class:`rljax.checkpoint.NonFiniteHalt` after that skipped step
       (``rljax.alignment.checkpointing.train`` checkpoints its still finite state first).
       Skips are counted in the ``nonfinite/skipped_updates`` metric.
+    compute_dtype: ``None`` (compute in the parameters' own dtype), ``"float32"`` or
+      ``"bfloat16"``: mixed precision, as TRL/Accelerate's ``bf16=True`` autocast. The
+      floating parameters of every role are cast to this dtype inside each jitted forward
+      (generation, reference, reward, critic and the update's forward and backward), so
+      gradients, parameters and optimizer states stay in their stored dtype (f32 master
+      weights). Log-probs, softmax, norms, the KV cache of an f32 model and the losses stay
+      f32 (``rljax.models.llm``).
   """
 
   algo: Algorithm = Algorithm.PPO
@@ -150,6 +158,7 @@ class RLHFConfig:
   reuse_rollout_log_probs: bool = False
   seed: int = 0
   nonfinite: str = "skip"
+  compute_dtype: str | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "algo", _enum(Algorithm, self.algo, "algo"))
@@ -170,6 +179,9 @@ class RLHFConfig:
       raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}.")
     if self.nonfinite not in ("skip", "halt"):
       raise ValueError(f"nonfinite must be 'skip' or 'halt', got {self.nonfinite!r}.")
+    if self.compute_dtype not in (None, "float32", "bfloat16"):
+      raise ValueError(
+          f"compute_dtype must be None, 'float32' or 'bfloat16', got {self.compute_dtype!r}.")
     if not 0 <= self.gamma <= 1 or not 0 <= self.gae_lambda <= 1:
       raise ValueError(f"gamma and gae_lambda must be in [0, 1], got {self.gamma}, {self.gae_lambda}.")
     if self.missing_eos_penalty is not None and self.missing_eos_penalty < 0:
@@ -234,6 +246,18 @@ def _critic_from_reward(reward_params):
   return params
 
 
+def cast_floating(tree, dtype):
+  """``tree`` with its floating leaves cast to ``dtype`` (others untouched; ``dtype=None``
+  returns ``tree``). Differentiable: the gradient of a cast f32 leaf is cast back to f32
+  (mixed precision with f32 master weights)."""
+  if dtype is None:
+    return tree
+  dtype = jnp.dtype(dtype)
+  return jax.tree.map(
+      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype
+      else x, tree)
+
+
 def make_update_fn(actor_graphdef, critic_graphdef, optimizer, config: RLHFConfig, *,
                    out_shardings=None):
   """The jitted update: ``(ppo_state, batch, key, kl_coef) -> (ppo_state, metrics, extras)``.
@@ -262,6 +286,7 @@ def make_update_fn(actor_graphdef, critic_graphdef, optimizer, config: RLHFConfi
   reuse = config.reuse_rollout_log_probs
 
   def apply_fn(params, mb):
+    params = cast_floating(params, config.compute_dtype)
     lp, ent = actor_apply(params["actor"], mb)
     if reuse:  # value: the rollout's log-prob (ratio exactly 1); gradient: grad log pi
       lp = mb["log_probs"] + (lp - jax.lax.stop_gradient(lp))
@@ -457,18 +482,21 @@ class RLHFTrainer:
     self.sampler = Sampler(actor, SamplingConfig(
         max_new_tokens=config.max_new_tokens, temperature=config.temperature,
         top_k=config.top_k, top_p=config.top_p, eos_token_ids=self.stop_ids,
-        pad_token_id=self.pad_id))
+        pad_token_id=self.pad_id, dtype=config.compute_dtype,
+        # bf16 weights with an f32 cache: bf16 batched attention matmuls are slower on CPU.
+        cache_dtype="float32" if config.compute_dtype == "bfloat16" else None))
     gd = self.graphdefs
+    cast = functools.partial(cast_floating, dtype=config.compute_dtype)
     self._ref_fn = jax.jit(lambda p, pt, pm, rt, rm: modeling.policy_outputs(
-        gd[Role.REFERENCE], p, pt, pm, rt, rm, with_entropy=False)[0])
+        gd[Role.REFERENCE], cast(p), pt, pm, rt, rm, with_entropy=False)[0])
     if Role.REWARD in gd:
       def score(p, pt, pm, rt, rm):
         tokens, mask = modeling.concat(pt, pm, rt, rm)
-        return modeling.sequence_scores(gd[Role.REWARD], p, tokens, mask)
+        return modeling.sequence_scores(gd[Role.REWARD], cast(p), tokens, mask)
       self._reward_model_fn = jax.jit(score)
     if config.uses_critic:
       self._critic_fn = jax.jit(lambda p, pt, pm, rt, rm: modeling.critic_values(
-          gd[Role.CRITIC], p, pt, pm, rt, rm))
+          gd[Role.CRITIC], cast(p), pt, pm, rt, rm))
     self._update_fn = make_update_fn(gd[Role.ACTOR], gd.get(Role.CRITIC), self.optimizer, config)
     self.last_batch: dict[str, np.ndarray] = {}
     self.placement: placement_lib.Placement | None = None
