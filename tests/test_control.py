@@ -166,3 +166,24 @@ def test_bootstrap_values_skip_the_second_value_pass_only_when_exact():
       t.networks, ts.params, running_stats.normalize(ts.obs_stats, moved))
   np.testing.assert_allclose(boot, expected, rtol=1e-6, atol=1e-6)
   assert not np.allclose(boot[:, 2], values[:, 3])
+
+
+def test_train_chunk_compiles_once_from_abstract_shapes(caplog):
+  """The train chunk is compiled ahead of time from ``Trainer.abstract_state`` (while the
+  environments reset): the run's calls reuse that executable, so XLA compiles it once."""
+  import logging
+
+  jax.config.update("jax_log_compiles", True)
+  try:
+    with caplog.at_level(logging.WARNING, logger="jax"):
+      trainer.train(ControlConfig(**TINY), None, progress=False)
+  finally:
+    jax.config.update("jax_log_compiles", False)
+  compiles = [r.getMessage() for r in caplog.records
+              if r.getMessage().startswith("Compiling jit(chunk)")]
+  assert len(compiles) == 1, compiles
+  tr, params = trainer.make_trainer(ControlConfig(**TINY))
+  abstract, tree_a = jax.tree.flatten(tr.abstract_state(params))
+  concrete, tree_c = jax.tree.flatten(tr.init(params))
+  assert tree_a == tree_c
+  assert [(x.shape, x.dtype) for x in abstract] == [(x.shape, x.dtype) for x in concrete]

@@ -23,7 +23,16 @@ CODE = textwrap.dedent(r'''
         episode_length=50, policy_hidden=(8,), value_hidden=(8,))
     mesh = jax.make_mesh((8, 1, 1), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
     one = trainer.train(config, None, progress=False)
+    import logging
+    chunk_compiles = []
+    class Count(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("Compiling jit(chunk)"):
+                chunk_compiles.append(1)
+    logging.getLogger("jax").addHandler(Count(level=logging.WARNING))
+    jax.config.update("jax_log_compiles", True)
     eight = trainer.train(config, None, progress=False, mesh=mesh)
+    jax.config.update("jax_log_compiles", False)
     diffs = [float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
              for a, b in zip(jax.tree.leaves(one.train_state.params), jax.tree.leaves(eight.train_state.params))]
     leaf = jax.tree.leaves(eight.train_state.params)[0]
@@ -39,6 +48,7 @@ CODE = textwrap.dedent(r'''
         max_diff=max(diffs),
         rewards=[[h["eval/episode_reward"] for h in r.history] for r in (one, eight)],
         num_compiled=eight.num_compiled,
+        chunk_compiles=len(chunk_compiles),
         param_replicated=leaf.sharding.is_fully_replicated,
         obs_spec_is_data=obs_sharding.spec == jax.sharding.PartitionSpec("data"),
         obs_shard_shape=list(obs_sharding.shard_shape(env_state.obs.shape)),
@@ -70,6 +80,8 @@ def test_shardings_follow_the_rules(result):
 
 def test_no_recompilation_across_chunks(result):
   assert result["num_compiled"] == 2
+  # The ahead-of-time compile from abstract shapes (with their shardings) is the only one.
+  assert result["chunk_compiles"] == 1, result
 
 
 def test_indivisible_envs_named_before_compiling(result):
