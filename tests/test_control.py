@@ -96,6 +96,8 @@ def test_logdir_outputs_and_load_policy(tmp_path):
               "timing/train_s"):
     assert key in records[-1], key
   assert records[-1]["env_steps"] == result.history[-1]["env_steps"] > 0
+  walls = [r["timing/wall_s"] for r in records]  # every record, the step-0 evaluation included
+  assert 0 < walls[0] and all(a < b for a, b in zip(walls, walls[1:])), walls
   # One compiled train chunk and one compiled evaluation serve the whole run.
   assert result.num_compiled == 2
   assert any(f.startswith("events.out.tfevents") for f in os.listdir(logdir))

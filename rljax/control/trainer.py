@@ -647,7 +647,8 @@ def train(
     t0 = time.perf_counter()
     ev = jax.device_get(trainer.evaluate(ts.params, ts.obs_stats, jax.random.fold_in(eval_key, 0)))
     compile_s += time.perf_counter() - t0
-    log_record(0, dict(ev, **{"timing/eval_s": time.perf_counter() - t0, "sps": 0.0}))
+    log_record(0, dict(ev, **{"timing/eval_s": time.perf_counter() - t0, "sps": 0.0,
+                              "timing/wall_s": time.perf_counter() - t_start}))
     if on_eval is not None:
       on_eval(0, ts, history[-1])
   if start_chunk < trainer.num_chunks:
