@@ -65,11 +65,12 @@ def main(argv):
     run_info.start_run(logdir, cfg, use_wandb=_WANDB.value)
     runtime.enable_compilation_cache()
     s = pipeline.run_preference(_DATA.value, cfg, logdir=logdir, stop_after="rm",
-                                placement=placement)
+                                placement=placement, log=runtime.primary_print)
     lo, hi = s["rm_ci"]
-    print(f"reward model: held-out accuracy {s['rm_accuracy']:.3f} (95% CI {lo:.3f}-{hi:.3f}, "
-          f"n={s['rm_heldout']} of {s['num_pairs']} pairs); wall {s['wall_s']:.0f} s; "
-          f"logdir {logdir}")
+    runtime.primary_print(
+        f"reward model: held-out accuracy {s['rm_accuracy']:.3f} (95% CI {lo:.3f}-{hi:.3f}, "
+        f"n={s['rm_heldout']} of {s['num_pairs']} pairs); wall {s['wall_s']:.0f} s; "
+        f"logdir {logdir}")
 
   runtime.run_main(run, verbose=_VERBOSE.value)
 

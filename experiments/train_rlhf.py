@@ -212,18 +212,21 @@ def main(argv):
 def report(pipeline, config, logdir, **kw) -> None:
   """Runs the selected pipeline and prints its one-line summary."""
   if _DATA.value is None:
-    s = pipeline.run_embedded(config, logdir=logdir, **kw)
-    print(f"embedded {_ALGO.value}: mean reward {s['reward_first']:.3f} (first 10 steps) -> "
-          f"{s['reward_last']:.3f} (last 10); KL last {s['kl_last']:.3f}, max {s['kl_max']:.3f}; "
-          f"greedy accuracy {s['accuracy_before']:.3f} -> {s['accuracy_after']:.3f}; "
-          f"wall {s['wall_s']:.0f} s; logdir {logdir}")
+    s = pipeline.run_embedded(config, logdir=logdir, log=runtime.primary_print, **kw)
+    runtime.primary_print(
+        f"embedded {_ALGO.value}: mean reward {s['reward_first']:.3f} (first 10 steps) -> "
+        f"{s['reward_last']:.3f} (last 10); KL last {s['kl_last']:.3f}, max {s['kl_max']:.3f}; "
+        f"greedy accuracy {s['accuracy_before']:.3f} -> {s['accuracy_after']:.3f}; "
+        f"wall {s['wall_s']:.0f} s; logdir {logdir}")
   else:
-    s = pipeline.run_preference(_DATA.value, config, logdir=logdir, **kw)
+    s = pipeline.run_preference(_DATA.value, config, logdir=logdir, log=runtime.primary_print,
+                                **kw)
     lo, hi = s["rm_ci"]
-    print(f"{_DATA.value}: reward model held-out accuracy {s['rm_accuracy']:.3f} "
-          f"(95% CI {lo:.3f}-{hi:.3f}, n={s['rm_heldout']}); {_ALGO.value} reward "
-          f"{s['reward_first']:.3f} -> {s['reward_last']:.3f}, KL last {s['kl_last']:.3f} "
-          f"max {s['kl_max']:.3f}; wall {s['wall_s']:.0f} s; logdir {logdir}")
+    runtime.primary_print(
+        f"{_DATA.value}: reward model held-out accuracy {s['rm_accuracy']:.3f} "
+        f"(95% CI {lo:.3f}-{hi:.3f}, n={s['rm_heldout']}); {_ALGO.value} reward "
+        f"{s['reward_first']:.3f} -> {s['reward_last']:.3f}, KL last {s['kl_last']:.3f} "
+        f"max {s['kl_max']:.3f}; wall {s['wall_s']:.0f} s; logdir {logdir}")
 
 
 if __name__ == "__main__":

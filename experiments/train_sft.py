@@ -56,18 +56,21 @@ def main(argv):
       if _STEPS.value is not None:
         cfg = dataclasses.replace(cfg, sft_steps=_STEPS.value)
       run_info.start_run(logdir, cfg, use_wandb=_WANDB.value)
-      s = pipeline.run_embedded(cfg, logdir=logdir, stop_after="sft", placement=placement)
-      print(f"embedded SFT: greedy exact-match accuracy {s['accuracy_before']:.3f}; "
-            f"wall {s['wall_s']:.0f} s; logdir {logdir}")
+      s = pipeline.run_embedded(cfg, logdir=logdir, stop_after="sft", placement=placement,
+                                log=runtime.primary_print)
+      runtime.primary_print(
+          f"embedded SFT: greedy exact-match accuracy {s['accuracy_before']:.3f}; "
+          f"wall {s['wall_s']:.0f} s; logdir {logdir}")
     else:
       cfg = pipeline.PreferenceConfig(limit=_LIMIT.value, seed=_SEED.value, **_DATA_FLAGS.overrides())
       if _STEPS.value is not None:
         cfg = dataclasses.replace(cfg, sft_steps=_STEPS.value)
       run_info.start_run(logdir, cfg, use_wandb=_WANDB.value)
       s = pipeline.run_preference(_DATA.value, cfg, logdir=logdir, stop_after="sft",
-                                  placement=placement)
-      print(f"SFT on {s['num_pairs']} chosen responses: response loss {s['sft_loss']:.3f}; "
-            f"wall {s['wall_s']:.0f} s; logdir {logdir}")
+                                  placement=placement, log=runtime.primary_print)
+      runtime.primary_print(
+          f"SFT on {s['num_pairs']} chosen responses: response loss {s['sft_loss']:.3f}; "
+          f"wall {s['wall_s']:.0f} s; logdir {logdir}")
 
   runtime.run_main(run, verbose=_VERBOSE.value)
 

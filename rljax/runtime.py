@@ -40,6 +40,13 @@ def is_primary() -> bool:
   return jax.process_index() == 0
 
 
+def primary_print(*args, **kwargs) -> None:
+  """``print`` on process 0 only, so that a multi-process run's console shows each progress
+  and summary line once (errors are still printed by every process)."""
+  if is_primary():
+    print(*args, **kwargs)
+
+
 def sync_processes(name: str) -> None:
   """A barrier across all processes (``multihost_utils.sync_global_devices``); a no-op with
   one process."""

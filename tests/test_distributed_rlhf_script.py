@@ -24,6 +24,7 @@ LAST_STEP = 3
 FLAGS = ["--pretrain_steps=4", "--sft_steps=4", "--num_eval_prompts=0",
          f"--num_steps={LAST_STEP}", "--prompts_per_step=8", "--checkpoint_every=1",
          "--keep_checkpoints=10"]
+_STDOUTS: list[str] = []  # the 2-process run's console output, filled by the fixture
 TOL = 1e-5  # the 2-process gradient is an all-reduce of 2 halves: equal up to f32 rounding
 
 pytestmark = pytest.mark.slow
@@ -52,7 +53,8 @@ def runs(tmp_path_factory):
                   "--num_processes=2", f"--process_id={i}", "--heartbeat_timeout_s=30"])
            for i in range(2)]
   procs.append(spawn([f"--logdir={one}"]))
-  _wait(procs)
+  outs = _wait(procs)
+  _STDOUTS[:] = [out for out, _ in outs[:2]]  # processes 0 and 1 of the 2-process run
   return two, one, str(root)
 
 
@@ -85,6 +87,10 @@ def test_two_processes_equal_one(runs):
 
 def test_two_process_outputs_are_written_once(runs):
   two, _, _ = runs
+  # Console: progress and summary lines come from process 0 only (runtime.primary_print).
+  out0, out1 = _STDOUTS
+  for line in ("sft: 4 steps", "embedded ppo: mean reward"):
+    assert line in out0 and line not in out1, (line, out0[-1000:], out1[-1000:])
   assert len([f for f in os.listdir(two) if f.startswith("events.out.tfevents")]) == 1
   with open(os.path.join(two, "run_info.json")) as f:
     assert "--process_id=0" in json.load(f)["command"]

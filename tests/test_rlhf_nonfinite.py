@@ -114,3 +114,17 @@ def test_halt_checkpoints_last_good_state_and_raises(tmp_path):
 def test_bad_nonfinite_value_is_refused():
   with pytest.raises(ValueError, match="nonfinite must be 'skip' or 'halt', got 'ignore'"):
     rlhf.RLHFConfig(nonfinite="ignore")
+
+
+def test_history_summary_ignores_non_finite_steps():
+  """A skipped step's NaN reward does not make the run summary NaN (rljax.alignment.pipeline)."""
+  from rljax.alignment import pipeline
+
+  history = [{"reward/mean": 0.2, "kl": 0.1}, {"reward/mean": float("nan"), "kl": float("nan")},
+             {"reward/mean": 0.4, "kl": 0.5}, {"reward/mean": 0.8, "kl": 0.3}]
+  s = pipeline.history_summary(history, 2)
+  assert s["reward_first"] == pytest.approx(0.2)   # the NaN step is left out of the first 2
+  assert s["reward_last"] == pytest.approx(0.6)    # mean of 0.4 and 0.8
+  assert s["kl_max"] == pytest.approx(0.5) and s["kl_last"] == pytest.approx(0.3)
+  nan = pipeline.history_summary([{"reward/mean": float("nan")}], 5)
+  assert np.isnan(nan["reward_first"]) and np.isnan(nan["kl_max"])

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -76,6 +77,27 @@ class EmbeddedConfig:
       raise ValueError(f"num_eval_prompts must be >= 0, got {self.num_eval_prompts}.")
     if self.pretrain_steps < 0 or self.sft_steps < 0:
       raise ValueError("pretrain_steps and sft_steps must be >= 0.")
+
+
+def history_summary(history: Sequence[Mapping[str, float]], k: int) -> dict[str, float]:
+  """``reward_first``/``reward_last`` (mean ``reward/mean`` of the first and last ``k`` steps),
+  ``kl_max`` and ``kl_last`` of an RL history, over finite values only: a step whose reward was
+  not finite (its update skipped by the non-finite guard) does not turn the summary into NaN.
+  An empty selection gives NaN."""
+
+  def finite(values):
+    a = np.asarray(list(values), np.float64)
+    return a[np.isfinite(a)]
+
+  def mean(values):
+    a = finite(values)
+    return float(a.mean()) if a.size else float("nan")
+
+  rewards = [h["reward/mean"] for h in history]
+  kls = finite(h.get("kl", np.nan) for h in history)
+  return dict(reward_first=mean(rewards[:k]), reward_last=mean(rewards[-k:]),
+              kl_max=float(kls.max()) if kls.size else float("nan"),
+              kl_last=float(history[-1].get("kl", np.nan)) if history else float("nan"))
 
 
 def default_rl_config(algo: str, **overrides) -> rlhf.RLHFConfig:
@@ -288,13 +310,8 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
     writer.write(config.rl.num_steps, {"eval/accuracy_before": acc_before,
                                        "eval/accuracy_after": acc_after})
     writer.close()
-  rewards = [h["reward/mean"] for h in history]
-  k = min(10, len(rewards))
   summary = dict(
-      accuracy_before=acc_before, accuracy_after=acc_after,
-      reward_first=float(np.mean(rewards[:k])), reward_last=float(np.mean(rewards[-k:])),
-      kl_max=float(max(h.get("kl", np.nan) for h in history)),
-      kl_last=float(history[-1].get("kl", np.nan)),
+      accuracy_before=acc_before, accuracy_after=acc_after, **history_summary(history, 10),
       wall_s=time.perf_counter() - t0, pretrain_s=t_pre - t0, sft_s=t_sft - t_pre,
       rl_s=t_rl - t_sft, history=history, resumed_from=resumed_from)
   if logdir is not None and runtime.is_primary():
@@ -632,15 +649,10 @@ def _preference_rl(config: PreferenceConfig, tok, prompts, model, rm_model, meta
     history = trainer.train(writer=writer, callback=show)
   if writer is not None:
     writer.close()
-  k = min(5, len(history))
   return dict(
       num_pairs=num_pairs, rm_accuracy=meta["rm/eval_accuracy"],
       rm_ci=(meta["rm/eval_accuracy_ci_low"], meta["rm/eval_accuracy_ci_high"]),
-      rm_heldout=meta["rm_heldout"],
-      reward_first=float(np.mean([x["reward/mean"] for x in history[:k]])),
-      reward_last=float(np.mean([x["reward/mean"] for x in history[-k:]])),
-      kl_last=float(history[-1].get("kl", np.nan)),
-      kl_max=float(max(x.get("kl", np.nan) for x in history)),
+      rm_heldout=meta["rm_heldout"], **history_summary(history, 5),
       wall_s=time.perf_counter() - t0, sft_s=meta["sft_s"], rm_s=meta["rm_s"],
       rl_s=time.perf_counter() - t_rm, history=history, resumed_from=resumed_from)
 
