@@ -80,10 +80,10 @@ class EmbeddedConfig:
 
 
 def history_summary(history: Sequence[Mapping[str, float]], k: int) -> dict[str, float]:
-  """``reward_first``/``reward_last`` (mean ``reward/mean`` of the first and last ``k`` steps),
-  ``kl_max`` and ``kl_last`` of an RL history, over finite values only: a step whose reward was
-  not finite (its update skipped by the non-finite guard) does not turn the summary into NaN.
-  An empty selection gives NaN."""
+  """``reward_first``/``reward_last`` (mean ``reward/mean`` of the first and last ``k`` steps)
+  and ``kl_max`` over finite values only, so a step whose reward was not finite (its update
+  skipped by the non-finite guard) does not turn them into NaN; an empty selection gives NaN.
+  ``kl_last`` is the last step's ``kl`` as logged (NaN when it was not finite or not measured)."""
 
   def finite(values):
     a = np.asarray(list(values), np.float64)
