@@ -220,7 +220,8 @@ class Trainer:
         iteration=jnp.zeros((), jnp.int32),
         skipped_updates=jnp.zeros((), jnp.int32),
     )
-    env_state = jax.jit(self.env.reset)(jax.random.split(key_env, c.num_envs))
+    env_state = jax.jit(lambda keys: _strong_types(self.env.reset(keys)))(
+        jax.random.split(key_env, c.num_envs))
     return ts, env_state
 
   # -- the compiled training iteration --------------------------------------------------
@@ -506,6 +507,26 @@ class Preempted(Exception):
 NonFiniteHalt = ckpt.NonFiniteHalt  # raised with nonfinite="halt" after checkpointing
 
 
+def _strong_types(tree):
+  """``tree`` with no weakly typed leaves.
+
+  A reset state can hold weakly typed leaves (Playground's CheetahRun starts ``data.time`` as
+  a Python float); the train chunk returns them strongly typed, and a jitted function called
+  with another weak type compiles again: 18-30 s on CheetahRun, once per run.
+  """
+  return jax.tree.map(lambda x: jnp.asarray(x, dtype=x.dtype), tree)
+
+
+class _ChunkDone(NamedTuple):
+  """A trained chunk whose evaluation, record and checkpoint are still to come."""
+
+  chunk: int
+  record: dict[str, Any]
+  ts: TrainState
+  env_state: Any
+  env_steps: int
+
+
 def _policy_item(ts: TrainState) -> dict[str, Any]:
   return {"params": nnx.to_pure_dict(ts.params), "obs_stats": ts.obs_stats._asdict()}
 
@@ -557,6 +578,7 @@ def train(
     log: Callable[[str], None] = print,
     mesh: jax.sharding.Mesh | None = None,
     on_eval: Callable[[int, TrainState, dict[str, Any]], Any] | None = None,
+    overlap_eval: bool | None = None,
 ) -> TrainResult:
   """Trains ``config`` end to end: evaluation, logging and checkpoints in the host loop.
 
@@ -574,6 +596,10 @@ def train(
   (``env_steps``, ``eval/episode_reward``, ...); e.g.
   ``rljax.control.eval_video.eval_video_callback`` writes a video there.
 
+  ``overlap_eval`` (default: on in a single-process run) evaluates chunk ``k`` on a second
+  thread while chunk ``k + 1`` trains; results are identical either way. It is off with
+  several processes, which must launch their computations in one order.
+
   Returns:
     `TrainResult`.
 
@@ -589,14 +615,19 @@ def train(
   if use_ckpt and resume:
     _check_same_config(logdir, config)
   trainer, params = make_trainer(config, mesh=mesh)
-  # The train chunk compiles on a second thread, from the state's abstract shapes, while the
-  # environments reset and the first evaluation compiles and runs here: XLA compiles one
-  # module on one core, so on a 2-core machine this takes about the largest of these compile
-  # times instead of their sum. The jitted function then reuses the executable (a call with
-  # other shapes or shardings would compile again; tests/test_control.py counts compilations).
-  compile_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rljax-compile")
+  # The train chunk and the evaluation compile on two more threads, from the state's
+  # abstract shapes, while the environments reset here: XLA compiles one module on one
+  # core, so on a 2-core machine this takes about half the sum of the three compile times.
+  # The jitted functions then reuse the executables (a call with other shapes or shardings
+  # would compile again; tests/test_control.py counts compilations).
+  eval_key = jax.random.PRNGKey(config.seed + 10_000)
+  compile_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="rljax-compile")
+  abstract = compile_pool.submit(trainer.abstract_state, params)
   chunk_compiled = compile_pool.submit(
-      lambda: trainer.train_chunk.lower(*trainer.abstract_state(params)).compile())
+      lambda: trainer.train_chunk.lower(*abstract.result()).compile())
+  eval_compiled = compile_pool.submit(
+      lambda: trainer.evaluate.lower(abstract.result()[0].params, abstract.result()[0].obs_stats,
+                                     jax.eval_shape(lambda: eval_key)).compile())
   compile_pool.shutdown(wait=False)
   ts, env_state = trainer.init(params)
   env_steps, start_chunk, resumed_from = 0, 0, None
@@ -628,78 +659,103 @@ def train(
         total=trainer.num_chunks * trainer.env_steps_per_chunk if progress else None,
         console_keys=("eval/episode_reward", "sps"),
     )
-  eval_key = jax.random.PRNGKey(config.seed + 10_000)
   history: list[dict[str, float]] = []
-  compile_s = 0.0
 
-  def log_record(chunk: int, m: dict[str, Any]):
+  def log_record(chunk: int, m: dict[str, Any], env_steps: int):
     record = {k: float(v) for k, v in m.items()}
     record["env_steps"] = env_steps
     history.append(dict(record, step=chunk))
     if writer is not None:
       writer.write(chunk, record, progress=env_steps)
 
-  def save(chunk: int):
+  def save(chunk: int, ts: TrainState, env_state, env_steps: int):
     if manager is not None:
       ckpt.save(manager, chunk, _policy_item(ts), _train_item(ts, env_state, env_steps))
 
-  if start_chunk == 0:
-    t0 = time.perf_counter()
-    ev = jax.device_get(trainer.evaluate(ts.params, ts.obs_stats, jax.random.fold_in(eval_key, 0)))
-    compile_s += time.perf_counter() - t0
-    log_record(0, dict(ev, **{"timing/eval_s": time.perf_counter() - t0, "sps": 0.0,
-                              "timing/wall_s": time.perf_counter() - t_start}))
-    if on_eval is not None:
-      on_eval(0, ts, history[-1])
+  eval_compiled.result()
   if start_chunk < trainer.num_chunks:
-    t0 = time.perf_counter()
     chunk_compiled.result()
-    compile_s += time.perf_counter() - t0
+  # Seconds from the start until both are compiled (environment build and reset overlap).
+  compile_s = time.perf_counter() - t_start
 
   skipped_before = int(ts.skipped_updates)
-  first_train_s = None
-  with _SigtermFlag() as sigterm:
-    for chunk in range(start_chunk + 1, trainer.num_chunks + 1):
-      t0 = time.perf_counter()
-      ts, env_state, train_metrics = trainer.train_chunk(ts, env_state)
-      train_metrics = jax.device_get(train_metrics)
-      train_s = time.perf_counter() - t0
-      if first_train_s is None:
-        first_train_s = train_s
-      elif chunk == start_chunk + 2:  # the first call compiled; the second did not
-        compile_s += max(first_train_s - train_s, 0.0)
-      env_steps += trainer.env_steps_per_chunk
-      t1 = time.perf_counter()
-      ev = jax.device_get(
-          trainer.evaluate(ts.params, ts.obs_stats, jax.random.fold_in(eval_key, chunk))
-      )
-      record = dict(train_metrics)
-      record.update(ev)
-      record.update({
-          "sps": trainer.env_steps_per_chunk / train_s,
-          "timing/train_s": train_s,
-          "timing/eval_s": time.perf_counter() - t1,
-          "timing/wall_s": time.perf_counter() - t_start,
-      })
-      log_record(chunk, record)
-      save(chunk)
-      if on_eval is not None:
-        on_eval(chunk, ts, history[-1])
-      skipped = int(ts.skipped_updates)
-      if skipped > skipped_before:
-        which = [k.split("/")[1] for k in ("nonfinite/reward", "nonfinite/observation",
-                                           "nonfinite/loss_or_grad") if train_metrics[k] > 0]
-        msg = (f"non-finite {', '.join(which)} in chunk {chunk} (iterations up to "
-               f"{int(ts.iteration)}): {skipped - skipped_before} update(s) skipped, "
-               f"{skipped} in total")
-        skipped_before = skipped
-        if config.nonfinite == "halt":
-          raise NonFiniteHalt(msg + f"; halted with the last good state checkpointed in {logdir}.")
-        log("warning: " + msg)
-      if sigterm.received and chunk < trainer.num_chunks:
-        if writer is not None:
-          writer.close()
-        raise Preempted(chunk, str(logdir))
+  overlap = overlap_eval if overlap_eval is not None else jax.process_count() == 1
+  eval_pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rljax-eval")
+               if overlap else None)
+
+  def timed_eval(params, obs_stats, chunk: int) -> dict[str, Any]:
+    t = time.perf_counter()
+    ev = jax.device_get(trainer.evaluate(params, obs_stats, jax.random.fold_in(eval_key, chunk)))
+    return dict(ev, **{"timing/eval_s": time.perf_counter() - t})
+
+  def finish(done: _ChunkDone, ev: dict[str, Any]) -> None:
+    """Logs, checkpoints and reports one trained chunk, in chunk order."""
+    nonlocal skipped_before
+    record = dict(done.record, **ev)
+    record["timing/wall_s"] = time.perf_counter() - t_start
+    log_record(done.chunk, record, done.env_steps)
+    if done.chunk > 0:  # chunk 0 is the evaluation before training
+      save(done.chunk, done.ts, done.env_state, done.env_steps)
+    if on_eval is not None:
+      on_eval(done.chunk, done.ts, history[-1])
+    skipped = int(done.ts.skipped_updates)
+    if skipped > skipped_before:
+      which = [k.split("/")[1] for k in ("nonfinite/reward", "nonfinite/observation",
+                                         "nonfinite/loss_or_grad") if record[k] > 0]
+      msg = (f"non-finite {', '.join(which)} in chunk {done.chunk} (iterations up to "
+             f"{int(done.ts.iteration)}): {skipped - skipped_before} update(s) skipped, "
+             f"{skipped} in total")
+      skipped_before = skipped
+      if config.nonfinite == "halt":
+        raise NonFiniteHalt(msg + f"; halted with the last good state checkpointed in {logdir}.")
+      log("warning: " + msg)
+
+  # With ``overlap``, chunk k's evaluation, logging and checkpoint run while chunk k + 1
+  # trains: the evaluation on a second thread (XLA's CPU client runs computations launched
+  # from two threads at once, and MJX physics keeps only one core busy), on copies of the
+  # state since the chunk consumes (donates) its inputs. Records and checkpoints are
+  # still written in chunk order, each record before its checkpoint, and every value is
+  # the same as without overlap.
+  snapshot = lambda tree: jax.block_until_ready(jax.tree.map(jnp.copy, tree))
+  pending: _ChunkDone | None = None
+  try:
+    if start_chunk == 0:
+      before = _ChunkDone(0, {"sps": 0.0}, ts, None, env_steps)
+      if overlap and start_chunk < trainer.num_chunks:
+        pending = before._replace(ts=snapshot(ts))
+      else:
+        finish(before, timed_eval(ts.params, ts.obs_stats, 0))
+    with _SigtermFlag() as sigterm:
+      for chunk in range(start_chunk + 1, trainer.num_chunks + 1):
+        eval_future = None
+        if pending is not None:
+          eval_future = eval_pool.submit(timed_eval, pending.ts.params, pending.ts.obs_stats,
+                                         pending.chunk)
+        t0 = time.perf_counter()
+        ts, env_state, train_metrics = trainer.train_chunk(ts, env_state)
+        if pending is not None:
+          finish(pending, eval_future.result())
+          pending = None
+        train_metrics = jax.device_get(train_metrics)
+        train_s = time.perf_counter() - t0
+        env_steps += trainer.env_steps_per_chunk
+        record = dict(train_metrics)
+        record.update({"sps": trainer.env_steps_per_chunk / train_s, "timing/train_s": train_s})
+        done = _ChunkDone(chunk, record, ts, env_state, env_steps)
+        last = chunk == trainer.num_chunks
+        if overlap and not last and not sigterm.received:
+          # Copies, made before the next chunk donates the originals.
+          pending = done._replace(
+              ts=snapshot(ts), env_state=snapshot(env_state) if manager is not None else None)
+          continue
+        finish(done, timed_eval(ts.params, ts.obs_stats, chunk))
+        if sigterm.received and not last:
+          if writer is not None:
+            writer.close()
+          raise Preempted(chunk, str(logdir))
+  finally:
+    if eval_pool is not None:
+      eval_pool.shutdown(wait=True)
 
   wall_s = time.perf_counter() - t_start
   if writer is not None:
