@@ -216,7 +216,8 @@ def main(argv=None) -> int:
       timed = time_interleaved(fns, args.repeats)
       first, rl_s = timed["float32"]
       rl_tps = b * r / rl_s
-      hf_by_threads = {t: b * r / timed[f"hf_{t}"][1] for t in hf_threads}
+      hf_by_threads = {t: b * r / timed[f"hf_{t}"][1] for t in hf_threads
+                       if f"hf_{t}" in timed}  # none with --skip-hf
       # The baseline is HF's best thread setting (its default one wins on an idle machine; one
       # thread wins when other processes load the CPUs and OpenMP threads wait on each other).
       hf_tps = max(hf_by_threads.values()) if hf_by_threads else float("nan")

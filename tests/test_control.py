@@ -197,12 +197,13 @@ def test_train_chunk_compiles_once_from_abstract_shapes(caplog):
   assert [(x.shape, x.dtype) for x in abstract] == [(x.shape, x.dtype) for x in concrete]
 
 
-def test_chunk_state_types_are_a_fixed_point():
+@pytest.mark.parametrize("env", ["playground/CheetahRun", "brax/ant"])
+def test_chunk_state_types_are_a_fixed_point(env):
   """The train chunk's outputs have the avals (weak types included) of its inputs, so the
   executable compiled from `Trainer.abstract_state` serves every call. CheetahRun's reset
-  state holds a weakly typed ``data.time``; before `_strong_types` the second chunk
-  compiled again (18-30 s)."""
-  config = ControlConfig(**dict(TINY, env="playground/CheetahRun", episode_length=1000))
+  state and ant's stepped state hold weakly typed leaves; before `_strong_types` the
+  second chunk compiled again (18-30 s)."""
+  config = ControlConfig(**dict(TINY, env=env, episode_length=1000))
   tr, params = trainer.make_trainer(config)
   state = tr.abstract_state(params)
   out = jax.eval_shape(tr.train_chunk, *state)[:2]
@@ -234,3 +235,21 @@ def test_overlapped_evaluation_equals_sequential(tmp_path):
     chex.assert_trees_all_equal(pa[1:], pb[1:])
   with open(os.path.join(dir_a, "metrics.jsonl")) as f:
     assert [json.loads(line)["step"] for line in f] == [0, 1, 2]
+
+
+def test_physics_compiles_without_ynn_fusions():
+  """On CPU the train chunk and the evaluation are compiled with
+  `runtime.control_compiler_options`: no dot goes to a YNNPACK fusion (31% faster chunks on
+  CheetahRun, 15% on ant), while a plain jit of the same XLA still makes them."""
+  from rljax import runtime
+
+  assert runtime.control_compiler_options("gpu") == {}
+  assert runtime.control_compiler_options() == {"xla_cpu_experimental_ynn_fusion_type": ""}
+  x = jnp.ones((64, 64))
+  assert "__ynn_fusion" in jax.jit(lambda a: a @ a).lower(x).compile().as_text()
+  tr, params = trainer.make_trainer(ControlConfig(**TINY))
+  ts, env_state = tr.abstract_state(params)
+  chunk_hlo = tr.train_chunk.lower(ts, env_state).compile().as_text()
+  eval_hlo = tr.evaluate.lower(ts.params, ts.obs_stats, jax.random.PRNGKey(0)).compile().as_text()
+  assert " dot(" in chunk_hlo
+  assert "__ynn_fusion" not in chunk_hlo and "__ynn_fusion" not in eval_hlo

@@ -38,6 +38,7 @@ from rljax import envs
 from rljax import metrics as metrics_lib
 from rljax import ppo
 from rljax import running_stats
+from rljax import runtime
 from rljax.control.config import ConfigError, ControlConfig
 from rljax.models import mlp
 
@@ -355,14 +356,15 @@ class Trainer:
       (ts, env_state), m = jax.lax.scan(
           self._iteration, (ts, env_state), None, length=self.iterations_per_chunk
       )
-      ts, env_state = self.place(ts, env_state, inside_jit=True)
+      ts, env_state = self.place(ts, *_strong_types((env_state,)), inside_jit=True)
       out = jax.tree.map(jnp.mean, m)
       for k in ("nonfinite/reward", "nonfinite/observation", "nonfinite/loss_or_grad"):
         out[k] = jnp.max(m[k])  # 1.0 if it happened in any iteration of the chunk
       out["nonfinite/skipped_updates"] = ts.skipped_updates.astype(jnp.float32)
       return ts, env_state, out
 
-    return jax.jit(chunk, donate_argnums=(0, 1))
+    return jax.jit(chunk, donate_argnums=(0, 1),
+                   compiler_options=runtime.control_compiler_options())
 
   @functools.cached_property
   def evaluate(self) -> Callable:
@@ -389,7 +391,7 @@ class Trainer:
           "eval/episode_length": jnp.mean(eval_metrics.episode_steps),
       }
 
-    return jax.jit(run)
+    return jax.jit(run, compiler_options=runtime.control_compiler_options())
 
 
 @contextlib.contextmanager
@@ -510,9 +512,10 @@ NonFiniteHalt = ckpt.NonFiniteHalt  # raised with nonfinite="halt" after checkpo
 def _strong_types(tree):
   """``tree`` with no weakly typed leaves.
 
-  A reset state can hold weakly typed leaves (Playground's CheetahRun starts ``data.time`` as
-  a Python float); the train chunk returns them strongly typed, and a jitted function called
-  with another weak type compiles again: 18-30 s on CheetahRun, once per run.
+  Environment states can hold weakly typed leaves: Playground's CheetahRun resets
+  ``data.time`` to a Python float, and Brax's ant steps some metrics to weak types. The reset
+  and the train chunk both return strong types, so the chunk's outputs match its inputs:
+  a jitted function called with another weak type compiles again (18-30 s, once per run).
   """
   return jax.tree.map(lambda x: jnp.asarray(x, dtype=x.dtype), tree)
 
@@ -578,7 +581,7 @@ def train(
     log: Callable[[str], None] = print,
     mesh: jax.sharding.Mesh | None = None,
     on_eval: Callable[[int, TrainState, dict[str, Any]], Any] | None = None,
-    overlap_eval: bool | None = None,
+    overlap_eval: bool = False,
 ) -> TrainResult:
   """Trains ``config`` end to end: evaluation, logging and checkpoints in the host loop.
 
@@ -596,9 +599,11 @@ def train(
   (``env_steps``, ``eval/episode_reward``, ...); e.g.
   ``rljax.control.eval_video.eval_video_callback`` writes a video there.
 
-  ``overlap_eval`` (default: on in a single-process run) evaluates chunk ``k`` on a second
-  thread while chunk ``k + 1`` trains; results are identical either way. It is off with
-  several processes, which must launch their computations in one order.
+  ``overlap_eval=True`` evaluates chunk ``k`` on a second thread while chunk ``k + 1`` trains;
+  results are identical either way. It pays with spare cores: on 2 cores it cut a CheetahRun
+  run's wall time by ~5-15% but slowed each chunk by about the evaluation's time (the
+  evaluation and the chunk share XLA's thread pool), so it is off by default. It is ignored
+  with several processes, which must launch their computations in one order.
 
   Returns:
     `TrainResult`.
@@ -679,7 +684,7 @@ def train(
   compile_s = time.perf_counter() - t_start
 
   skipped_before = int(ts.skipped_updates)
-  overlap = overlap_eval if overlap_eval is not None else jax.process_count() == 1
+  overlap = bool(overlap_eval) and jax.process_count() == 1
   eval_pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rljax-eval")
                if overlap else None)
 
