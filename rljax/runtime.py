@@ -41,19 +41,25 @@ _CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 @functools.cache
-def control_compiler_options(backend: str | None = None) -> dict[str, str]:
-  """XLA compiler options for rljax's physics computations (rollout, evaluation, reset).
-
-  ``{"xla_cpu_experimental_ynn_fusion_type": ""}`` on CPU, when the installed XLA knows the
-  option (probed once by compiling a scalar function); ``{}`` on other backends or if not.
-  Pass the result to ``jax.jit(..., compiler_options=...)``.
-  """
-  backend = backend or jax.default_backend()
-  if backend != "cpu":
-    return {}
+def _cpu_options_supported() -> bool:
+  """Whether the installed XLA knows ``_CPU_OPTIONS`` (compiles a scalar function once)."""
   try:
     jax.jit(lambda x: x + 1, compiler_options=_CPU_OPTIONS).lower(0.0).compile()
   except Exception:  # an XLA without the option: keep its defaults
+    return False
+  return True
+
+
+def control_compiler_options(backend: str | None = None) -> dict[str, str]:
+  """XLA compiler options for rljax's physics computations: the train chunk (rollout and
+  update) and the evaluation.
+
+  ``{"xla_cpu_experimental_ynn_fusion_type": ""}`` on CPU, when the installed XLA knows the
+  option; ``{}`` on other backends or if not. Pass the result to
+  ``jax.jit(..., compiler_options=...)``. The reset is compiled with XLA's defaults: it runs
+  once, and is traced inside ``jax.eval_shape``, where a nested jit takes no options.
+  """
+  if (backend or jax.default_backend()) != "cpu" or not _cpu_options_supported():
     return {}
   return dict(_CPU_OPTIONS)
 

@@ -356,7 +356,7 @@ class Trainer:
       (ts, env_state), m = jax.lax.scan(
           self._iteration, (ts, env_state), None, length=self.iterations_per_chunk
       )
-      ts, env_state = self.place(ts, *_strong_types((env_state,)), inside_jit=True)
+      ts, env_state = self.place(ts, _strong_types(env_state), inside_jit=True)
       out = jax.tree.map(jnp.mean, m)
       for k in ("nonfinite/reward", "nonfinite/observation", "nonfinite/loss_or_grad"):
         out[k] = jnp.max(m[k])  # 1.0 if it happened in any iteration of the chunk
