@@ -176,10 +176,11 @@ def run_brax(env_name: str, s: dict, episode_length: int) -> dict:
   )
 
 
-def physics_limit(env_name: str, num_envs: int, steps: int = 200,
-                  compiler_options: dict | None = None) -> float:
-  """Steps/s of ``jit(lax.scan(vmap(env.step)))`` with zero actions, compiled with
-  ``compiler_options`` (XLA's defaults if ``None``); the best of 3 timed calls."""
+def physics_limits(env_name: str, num_envs: int, options: dict[str, dict | None],
+                   steps: int = 200) -> dict[str, float]:
+  """Steps/s of ``jit(lax.scan(vmap(env.step)))`` with zero actions, compiled once per entry of
+  ``options`` (name -> XLA compiler options, ``None`` for XLA's defaults); each the best of 3
+  timed calls from the same reset state."""
   from rljax import envs
 
   env = envs.make(env_name)
@@ -189,14 +190,17 @@ def physics_limit(env_name: str, num_envs: int, steps: int = 200,
   def run(state):
     return jax.lax.scan(lambda s, _: (jax.vmap(env.step)(s, zeros), ()), state, None, length=steps)[0]
 
-  run = jax.jit(run, compiler_options=compiler_options)
-  jax.block_until_ready(run(state))
-  best = float("inf")
-  for _ in range(3):
-    t0 = time.perf_counter()
-    jax.block_until_ready(run(state))
-    best = min(best, time.perf_counter() - t0)
-  return num_envs * steps / best
+  limits = {}
+  for name, compiler_options in options.items():
+    compiled = jax.jit(run, compiler_options=compiler_options)
+    jax.block_until_ready(compiled(state))
+    best = float("inf")
+    for _ in range(3):
+      t0 = time.perf_counter()
+      jax.block_until_ready(compiled(state))
+      best = min(best, time.perf_counter() - t0)
+    limits[name] = num_envs * steps / best
+  return limits
 
 
 def main(argv):
@@ -223,9 +227,9 @@ def main(argv):
   # by a compiler setting alone.
   from rljax import runtime
 
-  limit_default = physics_limit(env_name, _NUM_ENVS.value)
-  limit_rljax = physics_limit(env_name, _NUM_ENVS.value,
-                              compiler_options=runtime.control_compiler_options())
+  limits = physics_limits(env_name, _NUM_ENVS.value,
+                          {"default": None, "rljax": runtime.control_compiler_options()})
+  limit_default, limit_rljax = limits["default"], limits["rljax"]
   limit = max(limit_default, limit_rljax)
   print(f"  physics limit: {limit:,.0f} steps/s (XLA defaults {limit_default:,.0f}, "
         f"rljax's options {limit_rljax:,.0f})", flush=True)
