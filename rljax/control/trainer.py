@@ -221,9 +221,14 @@ class Trainer:
         iteration=jnp.zeros((), jnp.int32),
         skipped_updates=jnp.zeros((), jnp.int32),
     )
-    env_state = jax.jit(lambda keys: _strong_types(self.env.reset(keys)))(
-        jax.random.split(key_env, c.num_envs))
+    env_state = self._reset(jax.random.split(key_env, c.num_envs))
     return ts, env_state
+
+  @functools.cached_property
+  def _reset(self) -> Callable:
+    """``jit(keys [num_envs, 2] -> env_state)``. One jitted function, so the trace that
+    `abstract_state` makes is reused when `init` compiles and runs it."""
+    return jax.jit(lambda keys: _strong_types(self.env.reset(keys)))
 
   # -- the compiled training iteration --------------------------------------------------
 
@@ -634,6 +639,7 @@ def train(
       lambda: trainer.evaluate.lower(abstract.result()[0].params, abstract.result()[0].obs_stats,
                                      jax.eval_shape(lambda: eval_key)).compile())
   compile_pool.shutdown(wait=False)
+  abstract.result()  # traces the reset once; init below reuses that trace
   ts, env_state = trainer.init(params)
   env_steps, start_chunk, resumed_from = 0, 0, None
   manager = None
