@@ -93,6 +93,7 @@ from rljax import checkpoint as ckpt
 from rljax import envs
 from rljax import metrics as metrics_lib
 from rljax import running_stats
+from rljax import runtime
 from rljax.control import trainer as ppo_trainer
 from rljax.control.config import ConfigError
 from rljax.models import mlp
@@ -524,7 +525,8 @@ class APGTrainer:
       out["nonfinite/skipped_updates"] = state.opt_state.total_notfinite
       return state, env_state, out
 
-    return jax.jit(chunk, donate_argnums=(0, 1))
+    return jax.jit(chunk, donate_argnums=(0, 1),
+                   compiler_options=runtime.control_compiler_options())
 
   @functools.cached_property
   def evaluate(self) -> Callable:
@@ -548,7 +550,7 @@ class APGTrainer:
           "eval/episode_length": jnp.mean(m.episode_steps),
       }
 
-    return jax.jit(run)
+    return jax.jit(run, compiler_options=runtime.control_compiler_options())
 
 
 def make_apg_trainer(config: APGConfig, params_key: Array | None = None):
