@@ -213,7 +213,6 @@ def import_both_stacks() -> None:
   """
   import brax.envs.wrappers.training  # noqa: F401
   import brax.training.agents.ppo.train  # noqa: F401
-  import mujoco_playground  # noqa: F401
   from mujoco_playground import wrapper  # noqa: F401
 
   import rljax.control.trainer  # noqa: F401
