@@ -195,6 +195,37 @@ class RecordFinalObs:
     return getattr(self.env, name)
 
 
+class TraceOnce:
+  """``env`` with its ``reset`` and ``step`` under ``jax.jit``, so each is traced once per
+  input structure.
+
+  JAX caches a jitted function's trace per input shape and structure, and ``vmap`` traces a
+  jitted function at the unbatched shapes. Every computation built on this wrapper (the
+  observation-size probe, the batched reset, the train chunk and the evaluation, at any
+  number of environments) therefore reuses one trace of ``reset`` instead of re-running
+  MJX's Python for each; ``step`` is traced once per state structure (Brax's
+  ``EvalWrapper`` adds a ``reward`` metric, so the evaluation's states have their own).
+  XLA inlines the nested calls, so the compiled programs compute the same values. Other
+  attributes are the wrapped environment's.
+  """
+
+  def __init__(self, env):
+    self.env = env
+    self._reset = jax.jit(env.reset)
+    self._step = jax.jit(env.step)
+
+  def reset(self, rng):
+    return self._reset(rng)
+
+  def step(self, state, action):
+    return self._step(state, action)
+
+  def __getattr__(self, name):
+    if name in ("env", "_reset", "_step"):  # not set yet (e.g. while unpickling)
+      raise AttributeError(name)
+    return getattr(self.env, name)
+
+
 def wrap_for_training(env, *, episode_length: int, action_repeat: int = 1):
   """Batches ``env`` with the libraries' own training wrappers.
 
@@ -224,7 +255,7 @@ def wrap_for_training(env, *, episode_length: int, action_repeat: int = 1):
       brax_training.VmapWrapper(env), episode_length, action_repeat
   )
   wrapped = RecordFinalObs(wrapped)
-  if _is_playground(env):
+  if _is_playground(env.unwrapped):
     from mujoco_playground._src import wrapper as pg_wrapper
 
     return pg_wrapper.BraxAutoResetWrapper(wrapped)
@@ -241,6 +272,7 @@ __all__ = [
     "FINAL_OBS_KEY",
     "MenagerieNotFoundError",
     "RecordFinalObs",
+    "TraceOnce",
     "UnknownEnvError",
     "check_name",
     "default_episode_length",

@@ -101,3 +101,57 @@ def test_wrap_rejects_bad_episode_length():
   env = envs.make("playground/CartpoleBalance")
   with pytest.raises(ValueError, match="episode_length and action_repeat must be >= 1, got 0, 1"):
     envs.wrap_for_training(env, episode_length=0)
+
+
+def test_trace_once_traces_once_and_steps_identically():
+  """`TraceOnce` runs the environment's Python once for ``reset`` whatever the batch size and
+  wrapper chain on top (probe, training, evaluation), and once for ``step`` per state
+  structure; it keeps Playground's auto-reset wrapper and gives the trajectories of the
+  unwrapped environment."""
+  import functools
+
+  from brax.envs.wrappers import training as brax_training
+  from mujoco_playground._src import wrapper as pg_wrapper
+
+  raw = envs.make("playground/CartpoleBalance")
+  calls = {"reset": 0, "step": 0}
+
+  class Counting:  # counts how often the environment's Python runs (once per trace)
+    def __init__(self, env):
+      self.env = env
+
+    def reset(self, rng):
+      calls["reset"] += 1
+      return self.env.reset(rng)
+
+    def step(self, state, action):
+      calls["step"] += 1
+      return self.env.step(state, action)
+
+    def __getattr__(self, name):
+      return getattr(self.env, name)
+
+  traced = envs.TraceOnce(Counting(raw))
+  train = envs.wrap_for_training(traced, episode_length=5)
+  assert isinstance(train, pg_wrapper.BraxAutoResetWrapper)
+  evaluation = brax_training.EvalWrapper(envs.wrap_for_training(traced, episode_length=5))
+
+  def roll(env, n):
+    keys = jax.random.split(jax.random.PRNGKey(3), n)
+    actions = jax.random.uniform(jax.random.PRNGKey(4), (7, n, raw.action_size), minval=-1,
+                                 maxval=1)
+    body = lambda s, a: (lambda s: (s, s.obs))(env.step(s, a))
+    return jax.lax.scan(body, env.reset(keys), actions)[1]
+
+  assert jax.eval_shape(traced.reset, jax.random.PRNGKey(0)).obs.shape == (5,)
+  obs_train = jax.jit(functools.partial(roll, train, 4))()
+  obs_eval = jax.jit(functools.partial(roll, evaluation, 2))()
+  # Without TraceOnce: 3 resets and 2 steps. EvalWrapper's extra "reward" metric gives the
+  # evaluation's states their own structure, hence their own trace of step.
+  assert calls == {"reset": 1, "step": 2}
+  jax.jit(functools.partial(roll, train, 8))()  # another batch size: no new trace
+  assert calls == {"reset": 1, "step": 2}
+  reference = envs.wrap_for_training(raw, episode_length=5)
+  np.testing.assert_array_equal(obs_train, jax.jit(functools.partial(roll, reference, 4))())
+  reference_eval = brax_training.EvalWrapper(envs.wrap_for_training(raw, episode_length=5))
+  np.testing.assert_array_equal(obs_eval, jax.jit(functools.partial(roll, reference_eval, 2))())

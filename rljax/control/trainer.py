@@ -195,7 +195,7 @@ class Trainer:
 
   def init(self, params) -> tuple[TrainState, Any]:
     """Initial train state and environment state for ``params``."""
-    return self.place(*self._init_unplaced(params))
+    return self.place(*self._init_unplaced(params, reset=self._compiled_reset))
 
   def abstract_state(self, params) -> tuple[TrainState, Any]:
     """``jax.ShapeDtypeStruct`` leaves of ``init(params)``, with the shardings `place` gives
@@ -209,7 +209,7 @@ class Trainer:
     return (jax.tree.map(lambda x: spec(x, replicated), ts),
             jax.tree.map(lambda x: spec(x, self._env_sharding(x)), env_state))
 
-  def _init_unplaced(self, params) -> tuple[TrainState, Any]:
+  def _init_unplaced(self, params, reset: Callable | None = None) -> tuple[TrainState, Any]:
     c = self.config
     key = jax.random.PRNGKey(c.seed)
     _, key_env, key_train = jax.random.split(key, 3)
@@ -221,7 +221,7 @@ class Trainer:
         iteration=jnp.zeros((), jnp.int32),
         skipped_updates=jnp.zeros((), jnp.int32),
     )
-    env_state = self._reset(jax.random.split(key_env, c.num_envs))
+    env_state = (reset or self._reset)(jax.random.split(key_env, c.num_envs))
     return ts, env_state
 
   @functools.cached_property
@@ -229,6 +229,13 @@ class Trainer:
     """``jit(keys [num_envs, 2] -> env_state)``. One jitted function, so the trace that
     `abstract_state` makes is reused when `init` compiles and runs it."""
     return jax.jit(lambda keys: _strong_types(self.env.reset(keys)))
+
+  @functools.cached_property
+  def _compiled_reset(self) -> Callable:
+    """`_reset` compiled with `runtime.run_once_compiler_options` (it runs once per run; the
+    options cannot go on `_reset` itself, which is also traced inside ``eval_shape``)."""
+    keys = jax.ShapeDtypeStruct((self.config.num_envs, 2), jnp.uint32)
+    return self._reset.lower(keys).compile(runtime.run_once_compiler_options())
 
   # -- the compiled training iteration --------------------------------------------------
 
@@ -458,7 +465,7 @@ def make_trainer(
   from brax.envs.wrappers import training as brax_training
 
   with _process_local_default_devices():  # MJX puts its model on jax.devices()[0]
-    env = envs.make(config.env, **dict(config.env_kwargs))
+    env = envs.TraceOnce(envs.make(config.env, **dict(config.env_kwargs)))
   episode_length = config.episode_length or envs.default_episode_length(config.env)
   train_env = envs.wrap_for_training(
       env, episode_length=episode_length, action_repeat=config.action_repeat
