@@ -215,7 +215,7 @@ def test_chunk_state_types_are_a_fixed_point(env):
 def test_overlapped_evaluation_equals_sequential(tmp_path):
   """Evaluating chunk k on a second thread while chunk k + 1 trains changes no value: every
   record's evaluation and training metrics, the checkpoints and the final state equal a
-  run that evaluates between chunks."""
+  run that evaluates between chunks. In both, the first record is the initial state's."""
   config = ControlConfig(**TINY)
   runs = {}
   for overlap in (True, False):
@@ -235,6 +235,15 @@ def test_overlapped_evaluation_equals_sequential(tmp_path):
     chex.assert_trees_all_equal(pa[1:], pb[1:])
   with open(os.path.join(dir_a, "metrics.jsonl")) as f:
     assert [json.loads(line)["step"] for line in f] == [0, 1, 2]
+  # Either way the record before training is the evaluation of the initial state (with
+  # overlap it runs on a copy while chunk 1 trains, as the chunk donates its inputs).
+  tr, params = trainer.make_trainer(config)
+  ts, _ = tr.init(params)
+  eval_key = jax.random.fold_in(jax.random.PRNGKey(config.seed + 10_000), 0)
+  first = jax.device_get(tr.evaluate(ts.params, ts.obs_stats, eval_key))
+  for run in (a, b):
+    assert run.history[0]["eval/episode_reward"] == float(first["eval/episode_reward"])
+    assert run.history[0]["eval/episode_reward"] != run.history[1]["eval/episode_reward"]
 
 
 def test_physics_compiles_without_ynn_fusions():

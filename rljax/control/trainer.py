@@ -690,6 +690,9 @@ def train(
     if manager is not None:
       ckpt.save(manager, chunk, _policy_item(ts), _train_item(ts, env_state, env_steps))
 
+  # Both compiles finish before anything runs. (Starting chunk 1 while the evaluation still
+  # compiled made a 300k-step CartpoleBalance run 2 s slower on 2 cores: the compile takes a
+  # core from the chunk's parallel matmuls.)
   eval_compiled.result()
   if start_chunk < trainer.num_chunks:
     chunk_compiled.result()
@@ -734,7 +737,8 @@ def train(
   # state since the chunk consumes (donates) its inputs. Records and checkpoints are
   # still written in chunk order, each record before its checkpoint, and every value is
   # the same as without overlap.
-  snapshot = lambda tree: jax.block_until_ready(jax.tree.map(jnp.copy, tree))
+  # A copy that compiles nothing (``jnp.copy`` would compile one program per leaf shape).
+  snapshot = lambda tree: jax.block_until_ready(jax.device_put(tree, may_alias=False))
   pending: _ChunkDone | None = None
   try:
     if start_chunk == 0:
