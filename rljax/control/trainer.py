@@ -234,7 +234,8 @@ class Trainer:
   def _compiled_reset(self) -> Callable:
     """`_reset` compiled with `runtime.run_once_compiler_options` (it runs once per run; the
     options cannot go on `_reset` itself, which is also traced inside ``eval_shape``)."""
-    keys = jax.ShapeDtypeStruct((self.config.num_envs, 2), jnp.uint32)
+    # The keys' shape and dtype as `_init_unplaced` makes them, not restated here.
+    keys = jax.eval_shape(lambda: jax.random.split(jax.random.PRNGKey(0), self.config.num_envs))
     return self._reset.lower(keys).compile(runtime.run_once_compiler_options())
 
   # -- the compiled training iteration --------------------------------------------------
