@@ -59,7 +59,14 @@ class ActorCriticConfig:
     value_hidden: hidden layer widths of the value MLP.
     activation: one of ``swish``, ``relu``, ``tanh``, ``elu``.
     min_std: floor added to the softplus scale of the policy.
-    init_std: the policy's initial standard deviation (pre-tanh).
+    init_std: the policy's standard deviation (pre-tanh) where its scale output is 0,
+      i.e. at initialisation when ``policy_init_scale`` is small. Brax's
+      ``NormalTanhDistribution`` corresponds to ``softplus(0) + min_std``
+      (``BRAX_INIT_STD``, 0.694).
+    policy_init_scale: variance scale of the policy's output layer (LeCun-uniform
+      times this). ``0.01`` starts every state at ``loc ~ 0`` and ``std ~ init_std``
+      (Andrychowicz et al. 2021, "What matters in on-policy RL", sec. 3.2); Brax's
+      networks use ``1.0``.
   """
 
   observation_size: int
@@ -69,6 +76,7 @@ class ActorCriticConfig:
   activation: str = "swish"
   min_std: float = 1e-3
   init_std: float = 1.0
+  policy_init_scale: float = 0.01
 
   def __post_init__(self):
     if self.observation_size < 1 or self.action_size < 1:
@@ -86,6 +94,8 @@ class ActorCriticConfig:
       raise ValueError(f"hidden sizes must be >= 1, got {self.policy_hidden}, {self.value_hidden}.")
     if not (self.min_std > 0 and self.init_std > self.min_std):
       raise ValueError(f"need 0 < min_std < init_std, got {self.min_std}, {self.init_std}.")
+    if not self.policy_init_scale > 0:
+      raise ValueError(f"policy_init_scale must be > 0, got {self.policy_init_scale}.")
 
 
 class MLP(nnx.Module):
@@ -138,7 +148,7 @@ class ActorCritic(nnx.Module):
         config.policy_hidden,
         2 * config.action_size,
         activation=config.activation,
-        out_scale=0.01,
+        out_scale=config.policy_init_scale,
         rngs=rngs,
     )
     self.value = MLP(
@@ -158,6 +168,9 @@ class ActorCritic(nnx.Module):
     """``obs [..., D] -> values [...]`` (float32)."""
     return self.value(obs)[..., 0]
 
+
+# Brax's NormalTanhDistribution: std = softplus(raw) + 0.001, so raw = 0 gives this.
+BRAX_INIT_STD = math.log(2.0) + 1e-3
 
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 

@@ -17,7 +17,7 @@ import os
 import signal
 import tempfile
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
@@ -366,11 +366,14 @@ def check_writable(logdir: str) -> None:
     raise ValueError(f"--logdir {logdir!r} is not writable: {e.strerror or e}.") from None
 
 
-def check_same_config(logdir: str, section: str, now: dict[str, Any]) -> None:
+def check_same_config(logdir: str, section: str, now: dict[str, Any],
+                      defaults: Mapping[str, Any] | None = None) -> None:
   """A run resumes only with the config it was started with (else it is not exact).
 
   Compares ``now`` (JSON-able) with ``config.json[section]`` under ``<logdir>/checkpoints``;
-  a run without a saved config passes.
+  a run without a saved config passes. A field missing from the saved config (one added
+  to the config class after the run started) counts as ``defaults[field]``, the value the
+  run was trained with; without ``defaults`` it differs from any value.
 
   Raises:
     ValueError: naming every differing field with its saved and current value.
@@ -382,6 +385,7 @@ def check_same_config(logdir: str, section: str, now: dict[str, Any]) -> None:
   if saved is None:
     raise ValueError(f"{logdir!r} holds a run of another kind (its config.json has no "
                      f"{section!r} section); use a new --logdir.")
+  saved = {**{k: v for k, v in (defaults or {}).items() if k in now}, **saved}
   keys = sorted(set(saved) | set(now))
   diff = {k: (saved.get(k), now.get(k)) for k in keys if saved.get(k) != now.get(k)}
   if diff:

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rljax import running_stats
+from rljax import checkpoint as ckpt
+from rljax import envs, running_stats
 from rljax.control import trainer
 from rljax.control.config import ConfigError, ControlConfig, default_config
+from rljax.models import mlp
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "experiments", "train_control.py")
@@ -36,6 +38,8 @@ TINY = dict(
          "batch_size=48 is not divisible by num_minibatches=5"),
         (dict(num_envs=16, batch_size=40), "batch_size=40 must be a multiple of num_envs=16"),
         (dict(learning_rate=0.0), "learning_rate must be > 0, got 0.0"),
+        (dict(init_std=0.001), r"init_std must be > 1e-3 \(the policy's min_std\), got 0.001"),
+        (dict(policy_init_scale=-1.0), "policy_init_scale must be > 0, got -1.0"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, match):
@@ -67,6 +71,35 @@ def test_script_rejects_bad_flags_before_compiling(flags, match, tmp_path):
 
 def _leaves(params):
   return [np.asarray(x) for x in jax.tree.leaves(params)]
+
+
+def test_resume_check_treats_fields_added_later_as_their_defaults(tmp_path):
+  # A run started before init_std / policy_init_scale existed saved a config without
+  # them; it trained with their defaults, so it resumes with those, and only with those.
+  saved = json.loads(ControlConfig(**TINY).to_json())
+  for k in ("init_std", "policy_init_scale"):
+    del saved[k]
+  os.makedirs(ckpt.checkpoint_dir(str(tmp_path)))
+  ckpt.write_json_atomic(os.path.join(ckpt.checkpoint_dir(str(tmp_path)), ckpt.CONFIG_FILE),
+                         {"control": saved})
+  trainer._check_same_config(str(tmp_path), ControlConfig(**TINY))
+  with pytest.raises(ValueError, match=r"different config \(policy_init_scale: saved 0.01, now 1.0\)"):
+    trainer._check_same_config(str(tmp_path), ControlConfig(**TINY, policy_init_scale=1.0))
+  with pytest.raises(ValueError, match=r"different config \(seed: saved 0, now 1\)"):
+    trainer._check_same_config(str(tmp_path), ControlConfig(**TINY, seed=1))
+
+
+def test_make_networks_uses_the_policy_initialisation():
+  env = envs.make(TINY["env"])
+  for init_std, scale in ((1.0, 0.01), (mlp.BRAX_INIT_STD, 1.0)):
+    config = ControlConfig(**TINY, init_std=init_std, policy_init_scale=scale)
+    networks, params = trainer.make_networks(config, env, jax.random.PRNGKey(0))
+    assert networks.config.init_std == init_std and networks.config.policy_init_scale == scale
+    model = nnx.merge(networks.graphdef, params)
+    _, std = model.policy_params(jnp.zeros((1, networks.config.observation_size)))
+    # Zero observations reach the output layer as its bias (0) plus activations of the
+    # hidden layer's zero bias, i.e. raw = 0 exactly: std = init_std.
+    np.testing.assert_allclose(std, init_std, rtol=1e-5)
 
 
 def test_same_seed_gives_bitwise_equal_parameters():

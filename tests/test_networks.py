@@ -51,6 +51,32 @@ def test_actor_critic_shapes_and_initial_std():
   assert model.value_fn(obs).shape == (4, 7)
 
 
+def test_policy_output_layer_scale_and_brax_parametrisation():
+  # The output kernel is LeCun-uniform times policy_init_scale: |w| <= sqrt(3 s / fan_in),
+  # and with 16 x 6 draws the largest is close to that bound.
+  fan_in = 16
+  for s in (0.01, 1.0):
+    config = mlp.ActorCriticConfig(observation_size=5, action_size=3, policy_hidden=(fan_in,),
+                                   value_hidden=(8,), policy_init_scale=s)
+    w = np.abs(np.asarray(mlp.ActorCritic(config, rngs=nnx.Rngs(0)).policy.out.kernel[...]))
+    bound = math.sqrt(3 * s / fan_in)
+    assert w.max() <= bound and w.max() > 0.9 * bound, (s, w.max(), bound)
+  # With init_std = BRAX_INIT_STD the scale is Brax's NormalTanhDistribution's,
+  # softplus(raw) + 0.001, for any raw output, and loc is the raw output itself.
+  from brax.training import distribution
+
+  config = mlp.ActorCriticConfig(observation_size=5, action_size=3, policy_hidden=(16,),
+                                 value_hidden=(8,), init_std=mlp.BRAX_INIT_STD,
+                                 policy_init_scale=1.0)
+  model = mlp.ActorCritic(config, rngs=nnx.Rngs(1))
+  obs = 3.0 * jax.random.normal(jax.random.PRNGKey(2), (64, 5))
+  loc, scale = model.policy_params(obs)
+  brax_dist = distribution.NormalTanhDistribution(event_size=3).create_dist(model.policy(obs))
+  np.testing.assert_allclose(loc, brax_dist.loc, rtol=1e-6)
+  np.testing.assert_allclose(scale, brax_dist.scale, rtol=1e-5)
+  assert float(jnp.std(scale)) > 0.05  # the scale varies by state at full output scale
+
+
 def test_swish_matches_flax_in_value_and_derivatives():
   # Gold: swish(1) = 1 * sigmoid(1) = 0.7310586; swish'(1) = s + x s (1 - s) = 0.7310586
   # + 0.7310586 * 0.2689414 = 0.9276705. Grad and forward-mode jvp both use the custom rule.
@@ -95,6 +121,8 @@ def test_actor_critic_config_errors():
     mlp.ActorCriticConfig(observation_size=5, action_size=3, activation="gelu")
   with pytest.raises(ValueError, match="observation_size and action_size must be >= 1, got 0, 3"):
     mlp.ActorCriticConfig(observation_size=0, action_size=3)
+  with pytest.raises(ValueError, match="policy_init_scale must be > 0, got 0.0"):
+    mlp.ActorCriticConfig(observation_size=5, action_size=3, policy_init_scale=0.0)
 
 
 def test_running_stats_split_invariance_and_mask():

@@ -6,6 +6,7 @@ import dataclasses
 import json
 from typing import Any
 
+from rljax.models.mlp import BRAX_INIT_STD as _BRAX_INIT_STD
 from rljax.ppo import LossAggregation, PPOConfig
 
 
@@ -45,6 +46,11 @@ class ControlConfig:
     normalize_observations: keep running observation statistics.
     normalize_advantages: whiten advantages per minibatch.
     policy_hidden / value_hidden / activation: network sizes.
+    init_std: the policy's pre-tanh standard deviation where its scale output is 0
+      (at initialisation). Brax's networks correspond to ``mlp.BRAX_INIT_STD`` (0.694).
+    policy_init_scale: variance scale of the policy's output layer; ``0.01`` starts
+      near ``loc = 0, std = init_std`` in every state (Andrychowicz et al. 2021),
+      Brax uses ``1.0``.
     episode_length: steps per episode (time limit); 0 means the environment's default.
     action_repeat: physics steps per action.
     num_evals: evaluations over the run (the first at step 0).
@@ -81,6 +87,8 @@ class ControlConfig:
   policy_hidden: tuple[int, ...] = (32, 32, 32, 32)
   value_hidden: tuple[int, ...] = (256, 256, 256, 256, 256)
   activation: str = "swish"
+  init_std: float = 1.0
+  policy_init_scale: float = 0.01
   episode_length: int = 0
   action_repeat: int = 1
   num_evals: int = 10
@@ -118,6 +126,10 @@ class ControlConfig:
       )
     if self.max_grad_norm is not None and not self.max_grad_norm > 0:
       raise ConfigError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}.")
+    if not 1e-3 < self.init_std:
+      raise ConfigError(f"init_std must be > 1e-3 (the policy's min_std), got {self.init_std!r}.")
+    if not self.policy_init_scale > 0:
+      raise ConfigError(f"policy_init_scale must be > 0, got {self.policy_init_scale!r}.")
     if not self.reward_scaling > 0:
       raise ConfigError(f"reward_scaling must be > 0, got {self.reward_scaling!r}.")
     object.__setattr__(self, "policy_hidden", tuple(self.policy_hidden))
@@ -219,6 +231,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         reward_scaling=1.0,
         policy_hidden=(64, 64),
         value_hidden=(128, 128),
+        # Brax's policy initialisation (see ControlConfig.init_std): after 0.6M steps the
+        # deterministic eval reward was 577 with it and 282 with loc = 0, std = 1.
+        init_std=_BRAX_INIT_STD,
+        policy_init_scale=1.0,
         num_evals=10,
     ),
 }

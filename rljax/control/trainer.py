@@ -94,6 +94,8 @@ def make_networks(config: ControlConfig, env, key: Array) -> tuple[Networks, Any
       policy_hidden=config.policy_hidden,
       value_hidden=config.value_hidden,
       activation=config.activation,
+      init_std=config.init_std,
+      policy_init_scale=config.policy_init_scale,
   )
   model = mlp.ActorCritic(net_config, rngs=nnx.Rngs(params=key))
   graphdef, params = nnx.split(model, nnx.Param)
@@ -573,7 +575,8 @@ def _from_items(ts: TrainState, policy: dict, train_item: dict) -> TrainState:
 
 def _check_same_config(logdir: str, config: ControlConfig) -> None:
   """A run resumes only with the config it was started with (else it is not exact)."""
-  ckpt.check_same_config(logdir, "control", json.loads(config.to_json()))
+  defaults = json.loads(ControlConfig(env=config.env).to_json())  # for fields added since
+  ckpt.check_same_config(logdir, "control", json.loads(config.to_json()), defaults)
 
 
 def _truncate_jsonl(path: str, last_step: int) -> None:
