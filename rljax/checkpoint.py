@@ -385,11 +385,14 @@ def check_same_config(logdir: str, section: str, now: dict[str, Any],
   if saved is None:
     raise ValueError(f"{logdir!r} holds a run of another kind (its config.json has no "
                      f"{section!r} section); use a new --logdir.")
-  saved = {**{k: v for k, v in (defaults or {}).items() if k in now}, **saved}
+  implied = {k: v for k, v in (defaults or {}).items() if k in now and k not in saved}
+  saved = {**implied, **saved}
   keys = sorted(set(saved) | set(now))
   diff = {k: (saved.get(k), now.get(k)) for k in keys if saved.get(k) != now.get(k)}
   if diff:
-    shown = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
+    shown = ", ".join(
+        f"{k}: {'not saved, so the default ' if k in implied else 'saved '}{a!r}, now {b!r}"
+        for k, (a, b) in diff.items())
     raise ValueError(
         f"{logdir!r} holds a run with a different config ({shown}); use a new --logdir "
         f"or the same settings to resume."

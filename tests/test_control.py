@@ -83,8 +83,14 @@ def test_resume_check_treats_fields_added_later_as_their_defaults(tmp_path):
   ckpt.write_json_atomic(os.path.join(ckpt.checkpoint_dir(str(tmp_path)), ckpt.CONFIG_FILE),
                          {"control": saved})
   trainer._check_same_config(str(tmp_path), ControlConfig(**TINY))
-  with pytest.raises(ValueError, match=r"different config \(policy_init_scale: saved 0.01, now 1.0\)"):
+  with pytest.raises(ValueError, match=r"different config \(policy_init_scale: not saved, so "
+                                      r"the default 0.01, now 1.0\)"):
     trainer._check_same_config(str(tmp_path), ControlConfig(**TINY, policy_init_scale=1.0))
+  # The implied values are the generic defaults the run had, not today's per-env defaults:
+  # an old brax/ant run (trained with 1.0 / 0.01) is refused under ant's new defaults.
+  ant = default_config("brax/ant").replace(**{k: v for k, v in TINY.items() if k != "env"})
+  with pytest.raises(ValueError, match=r"init_std: not saved, so the default 1.0, now 0.694"):
+    trainer._check_same_config(str(tmp_path), ant)
   with pytest.raises(ValueError, match=r"different config \(seed: saved 0, now 1\)"):
     trainer._check_same_config(str(tmp_path), ControlConfig(**TINY, seed=1))
 
