@@ -38,7 +38,7 @@ TINY = dict(
          "batch_size=48 is not divisible by num_minibatches=5"),
         (dict(num_envs=16, batch_size=40), "batch_size=40 must be a multiple of num_envs=16"),
         (dict(learning_rate=0.0), "learning_rate must be > 0, got 0.0"),
-        (dict(init_std=0.001), r"init_std must be > 1e-3 \(the policy's min_std\), got 0.001"),
+        (dict(init_std=0.001), r"init_std must be > 0.001 \(the policy's min_std\), got 0.001"),
         (dict(policy_init_scale=-1.0), "policy_init_scale must be > 0, got -1.0"),
     ],
 )

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from rljax.models.mlp import BRAX_INIT_STD as _BRAX_INIT_STD
+from rljax.models.mlp import ActorCriticConfig as _ActorCriticConfig
 from rljax.ppo import LossAggregation, PPOConfig
 
 
@@ -126,8 +127,10 @@ class ControlConfig:
       )
     if self.max_grad_norm is not None and not self.max_grad_norm > 0:
       raise ConfigError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}.")
-    if not 1e-3 < self.init_std:
-      raise ConfigError(f"init_std must be > 1e-3 (the policy's min_std), got {self.init_std!r}.")
+    min_std = _ActorCriticConfig.min_std  # the network's floor; checked here before compiling
+    if not self.init_std > min_std:
+      raise ConfigError(
+          f"init_std must be > {min_std!r} (the policy's min_std), got {self.init_std!r}.")
     if not self.policy_init_scale > 0:
       raise ConfigError(f"policy_init_scale must be > 0, got {self.policy_init_scale!r}.")
     if not self.reward_scaling > 0:
