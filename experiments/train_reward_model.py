@@ -54,7 +54,8 @@ def main(argv):
     if not os.path.exists(_DATA.value):
       raise FileNotFoundError(f"--preference_data {_DATA.value!r} does not exist")
     logdir = _LOGDIR.value or os.path.join("runs", f"rm-{time.strftime('%Y%m%d-%H%M%S')}")
-    cfg = pipeline.PreferenceConfig(limit=_LIMIT.value, seed=_SEED.value, **_DATA_FLAGS.overrides())
+    cfg = dataclasses.replace(_DATA_FLAGS.base_config(), limit=_LIMIT.value,
+                                seed=_SEED.value, **_DATA_FLAGS.overrides())
     if _STEPS.value is not None:
       cfg = dataclasses.replace(cfg, rm_steps=_STEPS.value)
     if _MARGIN.value is not None:

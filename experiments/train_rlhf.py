@@ -53,6 +53,7 @@ _KL_TARGET = flags.DEFINE_float("kl_target", None, "Adaptive controller's target
 _KL_HORIZON = flags.DEFINE_integer("kl_horizon", None,
                                    "Adaptive controller's horizon (samples; Ziegler et al.: 10000).")
 _ACTOR_LR = flags.DEFINE_float("actor_lr", None, "Actor (policy) Adam learning rate.")
+_CRITIC_LR = flags.DEFINE_float("critic_lr", None, "Critic (value model) Adam learning rate (PPO).")
 _CLIP_HIGH = flags.DEFINE_float("clip_eps_high", None, "DAPO clip-higher upper clip range.")
 _OVERLONG = flags.DEFINE_integer("overlong_buffer", None, "DAPO overlong buffer (tokens; 0 = off).")
 _LIMIT = flags.DEFINE_integer("limit", None, "Read at most this many preference pairs.")
@@ -104,7 +105,7 @@ def rl_overrides() -> dict:
   for key, flag in (("num_steps", _STEPS), ("kl_coef", _KL), ("kl_estimator", _KL_EST),
                     ("kl_placement", _KL_IN), ("adaptive_kl", _ADAPTIVE), ("kl_target", _KL_TARGET),
                     ("overlong_buffer", _OVERLONG), ("kl_horizon", _KL_HORIZON),
-                    ("actor_lr", _ACTOR_LR), ("nonfinite", _NONFINITE),
+                    ("actor_lr", _ACTOR_LR), ("critic_lr", _CRITIC_LR), ("nonfinite", _NONFINITE),
                     ("compute_dtype", _COMPUTE_DTYPE)):
     if flag.value is not None:
       out[key] = flag.value
@@ -165,7 +166,7 @@ def main(argv):
     else:
       if not os.path.exists(_DATA.value):
         raise FileNotFoundError(f"--preference_data {_DATA.value!r} does not exist")
-      base = pipeline.PreferenceConfig()
+      base = _DATA_FLAGS.base_config()  # with --model: its pretrained learning rates
       group = 4 if _ALGO.value in ("grpo", "rloo") else 1
       overrides.setdefault("prompts_per_step", base.rl.prompts_per_step // group)
       rl = dataclasses.replace(base.rl, algo=_ALGO.value, group_size=group, **overrides)

@@ -62,7 +62,8 @@ def main(argv):
           f"embedded SFT: greedy exact-match accuracy {s['accuracy_before']:.3f}; "
           f"wall {s['wall_s']:.0f} s; logdir {logdir}")
     else:
-      cfg = pipeline.PreferenceConfig(limit=_LIMIT.value, seed=_SEED.value, **_DATA_FLAGS.overrides())
+      cfg = dataclasses.replace(_DATA_FLAGS.base_config(), limit=_LIMIT.value,
+                                seed=_SEED.value, **_DATA_FLAGS.overrides())
       if _STEPS.value is not None:
         cfg = dataclasses.replace(cfg, sft_steps=_STEPS.value)
       run_info.start_run(logdir, cfg, use_wandb=_WANDB.value)

@@ -12,6 +12,8 @@ when complete, so a crash never leaves a half-written checkpoint as the latest o
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
 import os
 import signal
@@ -366,14 +368,55 @@ def check_writable(logdir: str) -> None:
     raise ValueError(f"--logdir {logdir!r} is not writable: {e.strerror or e}.") from None
 
 
+def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  """A nested JSON config as one level of dotted keys: ``{"rl": {"ppo": {"clip_eps": 0.2}}}``
+  becomes ``{"rl.ppo.clip_eps": 0.2}``. Non-dict values (lists, None) are leaves."""
+  flat: dict[str, Any] = {}
+  for k, v in config.items():
+    if isinstance(v, Mapping) and v:
+      flat.update(flatten_config(v, f"{prefix}{k}."))
+    else:
+      flat[f"{prefix}{k}"] = v
+  return flat
+
+
+def dataclass_defaults(cls: type) -> dict[str, Any]:
+  """The declared defaults of config dataclass ``cls`` as flat dotted JSON keys.
+
+  A field whose default is a nested config contributes that default instance's fields
+  (``rl.kl_coef``, ``rl.ppo.num_epochs``); fields without a default are left out. Enums become
+  their values and tuples lists, as in a saved ``config.json``. These are the values a run
+  trained with before a field existed, for :func:`check_same_config`.
+  """
+  def to_json(o):
+    if dataclasses.is_dataclass(o):
+      return dataclasses.asdict(o)
+    if isinstance(o, enum.Enum):
+      return o.value
+    raise TypeError(f"cannot serialise {type(o).__name__} in a config")
+
+  out: dict[str, Any] = {}
+  for f in dataclasses.fields(cls):
+    if f.default is not dataclasses.MISSING:
+      value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+      value = f.default_factory()
+    else:
+      continue
+    out[f.name] = json.loads(json.dumps(value, default=to_json))
+  return flatten_config(out)
+
+
 def check_same_config(logdir: str, section: str, now: dict[str, Any],
                       defaults: Mapping[str, Any] | None = None) -> None:
   """A run resumes only with the config it was started with (else it is not exact).
 
-  Compares ``now`` (JSON-able) with ``config.json[section]`` under ``<logdir>/checkpoints``;
-  a run without a saved config passes. A field missing from the saved config (one added
-  to the config class after the run started) counts as ``defaults[field]``, the value the
-  run was trained with; without ``defaults`` it differs from any value.
+  Compares ``now`` (JSON-able, possibly nested) with ``config.json[section]`` under
+  ``<logdir>/checkpoints``, field by field (nested fields by dotted name, e.g.
+  ``rl.kl_coef``); a run without a saved config passes. A field missing from the saved config
+  (one added to the config classes after the run started) counts as ``defaults[field]`` (flat
+  dotted keys, e.g. from :func:`dataclass_defaults`, or nested), the value the run was trained
+  with; without a default it differs from any value.
 
   Raises:
     ValueError: naming every differing field with its saved and current value.
@@ -385,13 +428,19 @@ def check_same_config(logdir: str, section: str, now: dict[str, Any],
   if saved is None:
     raise ValueError(f"{logdir!r} holds a run of another kind (its config.json has no "
                      f"{section!r} section); use a new --logdir.")
-  implied = {k: v for k, v in (defaults or {}).items() if k in now and k not in saved}
+  saved, now = flatten_config(saved), flatten_config(now)
+  implied = {k: v for k, v in flatten_config(defaults or {}).items()
+             if k in now and k not in saved}
   saved = {**implied, **saved}
   keys = sorted(set(saved) | set(now))
-  diff = {k: (saved.get(k), now.get(k)) for k in keys if saved.get(k) != now.get(k)}
+  missing = object()
+  diff = {k: (saved.get(k, missing), now.get(k, missing)) for k in keys
+          if saved.get(k, missing) != now.get(k, missing)}
   if diff:
+    def show(v):
+      return "(absent)" if v is missing else repr(v)
     shown = ", ".join(
-        f"{k}: {'not saved, so the default ' if k in implied else 'saved '}{a!r}, now {b!r}"
+        f"{k}: {'not saved, so the default ' if k in implied else 'saved '}{show(a)}, now {show(b)}"
         for k, (a, b) in diff.items())
     raise ValueError(
         f"{logdir!r} holds a run with a different config ({shown}); use a new --logdir "

@@ -9,6 +9,8 @@ unsupported model_type, a tensor shape that does not match config.json, a missin
 config.json, and the flags it conflicts with.
 """
 
+import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -126,6 +128,16 @@ def _cases(tmp_path, existing, hf=None):
           "more than the model's vocab_size 50"),
       "config_mismatch": ("train_rlhf.py", [e],
                           "holds a run with a different config (sft_steps: saved 7, now 150)"),
+      # A nested field is named by its dotted path, not by printing the nested dicts.
+      "config_mismatch_nested": ("train_rlhf.py", [e, "--kl_coef=0.5"],
+                                 "different config (rl.kl_coef: saved 0.02, now 0.5, sft_steps: "
+                                 "saved 7, now 150)"),
+      "sft_steps_zero": ("train_rlhf.py", [f"--preference_data={good}", "--sft_steps=0", e],
+                         "sft_steps must be >= 1, got 0"),
+      "lr_not_positive": ("train_sft.py", [f"--preference_data={good}", "--lr=0", e],
+                          "--lr must be > 0, got 0.0"),
+      "rm_lr_without_data": ("train_rlhf.py", ["--rm_lr=1e-5", e],
+                             "--rm_lr applies to --preference_data runs only"),
       "existing_run_without_resume": ("train_rlhf.py", [e, "--noresume"],
                                       "already holds an RLHF run; pass --resume"),
       "checkpoint_every": ("train_rlhf.py", ["--checkpoint_every=0"],
@@ -157,7 +169,8 @@ def _cases(tmp_path, existing, hf=None):
 
 CASES = ["unknown_algo", "logdir_not_writable", "malformed_json", "invalid_utf8",
          "missing_rejected", "empty_dataset", "missing_file", "overlong_prompts_rejected",
-         "tokenizer_exceeds_vocab", "config_mismatch", "existing_run_without_resume",
+         "tokenizer_exceeds_vocab", "config_mismatch", "config_mismatch_nested", "sft_steps_zero",
+         "lr_not_positive", "rm_lr_without_data", "existing_run_without_resume",
          "checkpoint_every", "model_unsupported_type", "model_tensor_shape_mismatch",
          "model_missing_folder", "model_missing_config", "model_with_tokenizer",
          "model_without_data"]
@@ -176,6 +189,51 @@ def test_bad_input_exits_2_with_message_before_compiling(case, tmp_path, existin
   assert "Traceback" not in out.stderr
   assert out.stderr.strip().splitlines()[-1].startswith("error: ")
   assert _snapshot(existing_run) == before  # nothing written over an existing run
+
+
+def test_resume_check_compares_nested_fields_and_implies_class_defaults(tmp_path):
+  """A field missing from a saved alignment config (added to a config class later) counts as
+  that class's declared default; nested fields are compared one by one."""
+  from rljax import checkpoint as ckpt
+  from rljax.alignment import checkpointing, rlhf
+
+  defaults = ckpt.dataclass_defaults(pipeline.EmbeddedConfig)
+  # Nested fields carry their field's declared default (default_rl_config("ppo") sets
+  # kl_coef=0.02 and ppo.num_epochs=2 against RLHFConfig's 0.05 and 1), in JSON form.
+  assert defaults["rl.kl_coef"] == 0.02 != rlhf.RLHFConfig().kl_coef
+  assert defaults["rl.ppo.num_epochs"] == 2
+  assert defaults["rl.kl_estimator"] == "k1" and defaults["rl.stop_ids"] == []
+  assert defaults["sft_steps"] == 150 and "rl" not in defaults
+  cfg = pipeline.EmbeddedConfig()
+  now = checkpointing.config_to_json(cfg)
+  old = json.loads(json.dumps(now))
+  del old["rl"]["ppo"]["vf_coef"], old["num_eval_prompts"]  # "added later"
+  (tmp_path / "checkpoints").mkdir()
+  (tmp_path / "checkpoints" / "config.json").write_text(json.dumps({"rlhf_embedded": old}))
+  prepare = functools.partial(checkpointing.prepare, str(tmp_path), "rlhf_embedded",
+                              resume=True, defaults=defaults)
+  assert prepare(now) is False  # both now equal their defaults (0.5, 256): resumes
+  changed = checkpointing.config_to_json(dataclasses.replace(
+      cfg, num_eval_prompts=8, rl=dataclasses.replace(
+          cfg.rl, kl_coef=0.5, ppo=dataclasses.replace(cfg.rl.ppo, vf_coef=1.0))))
+  (tmp_path / "checkpoints" / "config.json").write_text(json.dumps({"rlhf_embedded": old}))
+  with pytest.raises(ValueError) as err:
+    prepare(changed)
+  assert ("different config (num_eval_prompts: not saved, so the default 256, now 8, "
+          "rl.kl_coef: saved 0.02, now 0.5, rl.ppo.vf_coef: not saved, so the default 0.5, "
+          "now 1.0)") in str(err.value)
+  # Without defaults a missing field differs from any value.
+  with pytest.raises(ValueError, match=r"num_eval_prompts: saved \(absent\), now 256"):
+    ckpt.check_same_config(str(tmp_path), "rlhf_embedded", now)
+
+
+def test_preference_config_rejects_bad_step_counts():
+  for name, bad in (("sft_steps", 0), ("rm_steps", 0), ("rm_batch_size", 0)):
+    with pytest.raises(ValueError, match=f"^{name} must be >= 1, got {bad}.$"):
+      pipeline.PreferenceConfig(**{name: bad})
+  with pytest.raises(ValueError, match=r"^pretrain_steps must be >= 0, got -1.$"):
+    pipeline.PreferenceConfig(pretrain_steps=-1)
+  assert pipeline.PreferenceConfig(pretrain_steps=0).pretrain_steps == 0
 
 
 def test_verbose_shows_the_traceback(tmp_path, existing_run):

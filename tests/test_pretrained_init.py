@@ -6,6 +6,7 @@ config.json) are script cases in tests/test_bad_input.py, which builds its folde
 :func:`make_hf_folder` from here.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -98,16 +99,18 @@ def test_sft_stage_starts_from_the_pretrained_model(hf_folder, tmp_path, monkeyp
   def fake_train_sft(model, examples, config, *, prefix="", **kw):
     prompt, response = examples[0]
     tokens = np.asarray([list(prompt) + list(response)])
-    calls.append((prefix, tokens, np.asarray(model(tokens))))
+    calls.append((prefix, tokens, np.asarray(model(tokens)), config.learning_rate))
     return model, None, [{f"{prefix}loss": 0.0}]
 
   monkeypatch.setattr(pipeline.sft, "train_sft", fake_train_sft)
-  cfg = pipeline.PreferenceConfig(model=hf_folder, pretrain_steps=5, sft_steps=2)
+  cfg = dataclasses.replace(pipeline.preference_defaults(hf_folder), pretrain_steps=5,
+                            sft_steps=2)
   s = pipeline.run_preference(str(path), cfg, logdir=str(tmp_path / "run"), stop_after="sft",
                               log=lambda msg: None)
   assert s["num_pairs"] == 12
   assert [c[0] for c in calls] == ["sft/"]  # pre-training skipped
-  _, tokens, logits = calls[0]
+  _, tokens, logits, lr = calls[0]
+  assert lr == 5e-6  # OpenRLHF's SFT rate for a pretrained model, not the from-scratch 1e-3
   np.testing.assert_allclose(logits, _hf_logits(hf_folder, tokens), atol=1e-4)
   # The run's saved tokenizer is the model's (so a resumed run tokenizes the same way).
   saved = os.path.join(str(tmp_path / "run"), "tokenizer")
@@ -115,6 +118,20 @@ def test_sft_stage_starts_from_the_pretrained_model(hf_folder, tmp_path, monkeyp
 
   assert load_tokenizer(saved).encode("What is two plus two?") == \
       pipeline.load_pretrained(hf_folder)[1].encode("What is two plus two?")
+
+
+def test_pretrained_model_defaults_to_fine_tuning_learning_rates():
+  """With a pretrained model the SFT, RM, actor and critic rates drop to OpenRLHF's (the
+  from-scratch defaults are 200x, 56x, 100x and 56x higher); nothing else changes."""
+  scratch, tuned = pipeline.preference_defaults(), pipeline.preference_defaults("m")
+  assert scratch == pipeline.PreferenceConfig()
+  assert (tuned.lr / 2, tuned.rm_lr, tuned.rl.actor_lr, tuned.rl.critic_lr) == \
+      (5e-6, 9e-6, 5e-7, 9e-6)
+  assert (scratch.lr / 2, scratch.rm_lr, scratch.rl.actor_lr, scratch.rl.critic_lr) == \
+      (1e-3, 5e-4, 5e-5, 5e-4)
+  same = dataclasses.replace(tuned, model=None, lr=scratch.lr, rm_lr=scratch.rm_lr,
+                             rl=scratch.rl)
+  assert same == scratch
 
 
 def test_tokenizer_with_model_is_refused():
@@ -138,3 +155,6 @@ def test_train_sft_script_with_model(hf_folder, tmp_path):
   records = [json.loads(line) for line in open(logdir / "metrics.jsonl")]
   assert any("sft/loss" in r for r in records)
   assert not any("pretrain/loss" in r for r in records)
+  # The script starts from the pretrained defaults: SFT at lr / 2 = 5e-6.
+  info = json.loads((logdir / "run_info.json").read_text())
+  assert info["config"]["lr"] == 1e-5 and info["config"]["rm_lr"] == 9e-6, info["config"]

@@ -187,10 +187,13 @@ def load_frozen(logdir: str, models: dict[str, nnx.Module]) -> dict[str, Any]:
 # ---- resume checks and the host loop ------------------------------------------------------------
 
 
-def prepare(logdir: str, section: str, config_json: dict[str, Any], *, resume: bool) -> bool:
+def prepare(logdir: str, section: str, config_json: dict[str, Any], *, resume: bool,
+            defaults: dict[str, Any] | None = None) -> bool:
   """Checks ``logdir`` before anything is built or compiled; returns whether to resume.
 
-  With ``resume``, a run whose saved config differs is refused. Without it, a ``logdir``
+  With ``resume``, a run whose saved config differs is refused; a field the saved config
+  lacks (added after the run started) counts as its entry in ``defaults`` (flat dotted keys,
+  :func:`rljax.checkpoint.dataclass_defaults` of the config class). Without it, a ``logdir``
   that already holds RLHF state is refused (its checkpoints are left untouched). Then the
   config is written to ``<logdir>/checkpoints/config.json``.
 
@@ -206,7 +209,7 @@ def prepare(logdir: str, section: str, config_json: dict[str, Any], *, resume: b
     raise ValueError(f"--logdir {logdir!r} already holds an RLHF run; pass --resume to continue "
                      f"it or use a new --logdir (its checkpoints are left untouched).")
   if resume:
-    ckpt.check_same_config(logdir, section, config_json)
+    ckpt.check_same_config(logdir, section, config_json, defaults)
   frozen = resume and has_frozen(logdir)
   # Every process has looked before process 0 writes (else a peer would find the new file).
   runtime.sync_processes("rljax-prepare-checked")

@@ -22,6 +22,8 @@ class DataFlags:
   tokenizer: Any
   vocab_size: Any
   model: Any
+  lr: Any
+  rm_lr: Any
 
   def overrides(self) -> dict[str, Any]:
     """``rljax.alignment.pipeline.PreferenceConfig`` fields set on the command line.
@@ -36,22 +38,36 @@ class DataFlags:
           raise ValueError(f"--{name} cannot be combined with --model: the tokenizer and the "
                            f"vocabulary come from the model folder {self.model.value!r}")
     out = {"overlong_prompts": self.overlong_prompts.value}
-    for key in ("max_prompt_len", "tokenizer", "vocab_size", "model"):
+    for key in ("max_prompt_len", "tokenizer", "vocab_size", "model", "lr", "rm_lr"):
       value = getattr(self, key).value
       if value is not None:
+        if key in ("lr", "rm_lr") and not value > 0:
+          raise ValueError(f"--{key} must be > 0, got {value}")
         out[key] = value
     return out
 
+  def base_config(self):
+    """``rljax.alignment.pipeline.preference_defaults`` for ``--model``: with a pretrained
+    model its lower learning rates, before :meth:`overrides` (e.g. ``--lr``) apply."""
+    from rljax.alignment import pipeline
+
+    return pipeline.preference_defaults(self.model.value)
+
   def check_data(self, preference_data: str | None) -> None:
-    """Raises ValueError for ``--model`` without ``--preference_data`` (the embedded task
-    trains its own tiny model, so the flag would be silently ignored)."""
+    """Raises ValueError for ``--model``, ``--lr`` or ``--rm_lr`` without ``--preference_data``
+    (the embedded task trains its own tiny model, so they would be silently ignored)."""
     if self.model.value is not None and preference_data is None:
       raise ValueError(f"--model {self.model.value!r} needs --preference_data=PATH (the "
                        f"embedded addition task trains its own tiny model)")
+    for name in ("lr", "rm_lr"):
+      if getattr(self, name).value is not None and preference_data is None:
+        raise ValueError(f"--{name} applies to --preference_data runs only (the embedded "
+                         f"addition task keeps its own learning rates)")
 
 
 def define_data_flags() -> DataFlags:
-  """``--max_prompt_len``, ``--overlong_prompts``, ``--tokenizer``, ``--vocab_size``, ``--model``."""
+  """``--max_prompt_len``, ``--overlong_prompts``, ``--tokenizer``, ``--vocab_size``, ``--model``,
+  ``--lr``, ``--rm_lr``."""
   return DataFlags(
       max_prompt_len=flags.DEFINE_integer(
           "max_prompt_len", None, "Prompt length limit in tokens."),
@@ -67,7 +83,15 @@ def define_data_flags() -> DataFlags:
           "model", None, "Pretrained Hugging Face model folder (config.json, model.safetensors, "
           "tokenizer.json; Llama or Qwen2), as OpenRLHF's --pretrain: the tokenizer and the "
           "initial weights of every model come from it and pre-training is skipped. With "
-          "--preference_data; not with --tokenizer or --vocab_size."),
+          "--preference_data; not with --tokenizer or --vocab_size. Its learning rates default "
+          "to OpenRLHF's for pretrained models (rljax.alignment.pipeline."
+          "PRETRAINED_LEARNING_RATES: SFT 5e-6, reward model 9e-6, actor 5e-7, critic 9e-6)."),
+      lr=flags.DEFINE_float(
+          "lr", None, "--preference_data: pre-training learning rate; SFT runs at half of it "
+          "(default 2e-3 from scratch, 1e-5 with --model)."),
+      rm_lr=flags.DEFINE_float(
+          "rm_lr", None, "--preference_data: reward-model learning rate (default 5e-4 from "
+          "scratch, 9e-6 with --model)."),
   )
 
 

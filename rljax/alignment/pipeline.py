@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from rljax import kl as kl_lib
+from rljax import checkpoint as ckpt
 from rljax import ppo, runtime
 from rljax.alignment import reward_model as rm_lib
 from rljax.alignment import modeling, rlhf, sft
@@ -234,7 +235,8 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
   t0 = time.perf_counter()
   use_ckpt = logdir is not None and stop_after == "rl"
   resuming = use_ckpt and checkpointing.prepare(
-      logdir, "rlhf_embedded", checkpointing.config_to_json(config), resume=resume)
+      logdir, "rlhf_embedded", checkpointing.config_to_json(config), resume=resume,
+      defaults=ckpt.dataclass_defaults(EmbeddedConfig))
   tok = arithmetic.CharTokenizer()
   task = arithmetic.AdditionTask(max_operand=config.max_operand)
   model = DecoderLM(tiny_lm_config(tok.vocab_size, hidden_size=config.hidden_size,
@@ -330,7 +332,9 @@ class PreferenceConfig:
     max_prompt_len, max_response_len: token truncation (prompt keeps its end).
     pretrain_steps, sft_steps, rm_steps: steps of each stage.
     batch_size: SFT/pre-training batch; ``rm_batch_size``: pairs per RM step.
-    lr, rm_lr: learning rates.
+    lr, rm_lr: learning rates: pre-training at ``lr``, SFT at ``lr / 2``, the reward model at
+      ``rm_lr``. Tuned for the tiny model trained from scratch; :func:`preference_defaults`
+      gives the lower ones for a pretrained ``model``.
     rm_margin: Bradley-Terry margin (>= 0).
     eval_fraction: reward-model held-out fraction.
     packing: pack pre-training/SFT examples into rows of ``2 * (max_prompt_len +
@@ -395,9 +399,32 @@ class PreferenceConfig:
     if self.overlong_prompts not in ("truncate", "reject"):
       raise ValueError(f"overlong_prompts must be 'truncate' or 'reject', got "
                        f"{self.overlong_prompts!r}")
-    for name in ("vocab_size", "max_prompt_len", "max_response_len"):
+    for name in ("vocab_size", "max_prompt_len", "max_response_len", "sft_steps", "rm_steps",
+                 "batch_size", "rm_batch_size"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+    if self.pretrain_steps < 0:
+      raise ValueError(f"pretrain_steps must be >= 0, got {self.pretrain_steps}.")
+
+
+# Learning rates for a pretrained ``--model``, from OpenRLHF's example scripts for 1-8B models:
+# SFT 5e-6 (``lr`` is 1e-5 because SFT runs at ``lr / 2``), reward model 9e-6, PPO actor 5e-7
+# and critic 9e-6. ``PreferenceConfig``'s own defaults are tuned for the tiny model trained from
+# scratch here (SFT at 1e-3, actor at 5e-5): 200x and 100x these, enough to move a pretrained
+# model far from its weights within a few steps.
+PRETRAINED_LEARNING_RATES = {"lr": 1e-5, "rm_lr": 9e-6, "actor_lr": 5e-7, "critic_lr": 9e-6}
+
+
+def preference_defaults(model: str | None = None) -> PreferenceConfig:
+  """The default :class:`PreferenceConfig`: as declared, or for a pretrained ``model`` folder
+  with that ``model`` and :data:`PRETRAINED_LEARNING_RATES` (what the scripts start from
+  before their flags are applied)."""
+  config = PreferenceConfig()
+  if model is None:
+    return config
+  lrs = PRETRAINED_LEARNING_RATES
+  rl = dataclasses.replace(config.rl, actor_lr=lrs["actor_lr"], critic_lr=lrs["critic_lr"])
+  return dataclasses.replace(config, model=model, lr=lrs["lr"], rm_lr=lrs["rm_lr"], rl=rl)
 
 
 def check_prompt_lengths(prompts: list[list[int]], *, max_prompt_len: int, context: int,
@@ -450,15 +477,16 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
   check_placement(placement, rl=config.rl if stop_after == "rl" else None,
                   batch_sizes={"batch_size": config.batch_size,
                                "2 * rm_batch_size": 2 * config.rm_batch_size})
-  # A pretrained model (--model) is loaded, and so checked, before anything is written.
+  # A pretrained model (--model) is loaded, and so checked, before anything is written. The
+  # wall times count from here, so ``wall_s`` and ``sft_s`` include that load.
+  t0 = time.perf_counter()
   pretrained = (None if config.model is None else
                 load_pretrained(config.model, layout=train_layout(placement), seed=config.seed))
   use_ckpt = logdir is not None and stop_after == "rl"
   resuming = use_ckpt and checkpointing.prepare(
       logdir, "rlhf_preference", dict(checkpointing.config_to_json(config), data=os.path.abspath(path)),
-      resume=resume)
+      resume=resume, defaults=ckpt.dataclass_defaults(PreferenceConfig))
   layout = train_layout(placement)
-  t0 = time.perf_counter()
   pairs = text_data.load_preference_pairs(path, limit=config.limit)
   train_pairs, held_pairs = rm_lib.split_pairs(pairs, config.eval_fraction, config.seed)
   log(f"{path}: {len(pairs)} pairs ({len(train_pairs)} train / {len(held_pairs)} held out)")
