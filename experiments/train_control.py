@@ -74,9 +74,10 @@ _HELP = {
     "gae_lambda": "GAE lambda.",
     "clip_eps": "PPO clip range.",
     "init_std": "Policy's pre-tanh std where its scale output is 0; an offset of the std for the "
-                "whole run (default 1.0; Brax's networks and brax/ant: 0.694).",
+                "whole run (default 1.0; Brax's networks, brax/ant and CheetahRun: 0.694).",
     "policy_init_scale": "Variance scale of the policy's output layer (default 0.01: every state "
-                         "starts at loc 0, std init_std; Brax's networks and brax/ant: 1).",
+                         "starts at loc 0, std init_std; Brax's networks, brax/ant and "
+                         "CheetahRun: 1).",
     "horizon_length": "APG: steps per policy update (the differentiated rollout).",
     "truncation_length": "APG: gradients flow back at most this many steps (0 = horizon_length).",
     "num_updates": "APG: policy updates in the run.",

@@ -219,6 +219,11 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         entropy_coef=1e-2,
         policy_hidden=(64, 64),
         value_hidden=(128, 128),
+        # Brax's policy initialisation: after 3M steps, over seeds 0-3, the deterministic eval
+        # reward was 496, 466, 435, 534 with it and 492, 240, 446, 473 with loc = 0, std = 1;
+        # this full default (8M steps, seed 0) reached 625 with it and 531 without.
+        init_std=_BRAX_INIT_STD,
+        policy_init_scale=1.0,
         num_evals=10,
     ),
     "brax/ant": dict(
