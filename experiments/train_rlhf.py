@@ -149,6 +149,8 @@ def main(argv):
 
     distributed.initialize_from_flags()  # no-op for one process outside SLURM
     check_algo(_ALGO.value)
+    if _CRITIC_LR.value is not None and _ALGO.value != "ppo":
+      raise ValueError(f"--critic_lr applies to --algo=ppo only ({_ALGO.value} has no critic)")
     check_checkpoint_flags()
     placement = pipeline.make_placement(_MESH.value, _RULES.value, _PLACEMENT.value,
                                         offload_frozen=_OFFLOAD.value)

@@ -49,6 +49,9 @@ def main(argv):
     if _STEPS.value is not None and _STEPS.value < 1:
       raise ValueError(f"--num_steps must be >= 1, got {_STEPS.value}")
     _DATA_FLAGS.check_data(_DATA.value)
+    if _DATA_FLAGS.rm_lr.value is not None:
+      raise ValueError("--rm_lr does nothing in train_sft.py (it trains no reward model); "
+                       "use it with train_reward_model.py or train_rlhf.py")
     check_writable(logdir)
     runtime.enable_compilation_cache()
     if _DATA.value is None:

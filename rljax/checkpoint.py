@@ -383,18 +383,12 @@ def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any
 def dataclass_defaults(cls: type) -> dict[str, Any]:
   """The declared defaults of config dataclass ``cls`` as flat dotted JSON keys.
 
-  A field whose default is a nested config contributes that default instance's fields
-  (``rl.kl_coef``, ``rl.ppo.num_epochs``); fields without a default are left out. Enums become
-  their values and tuples lists, as in a saved ``config.json``. These are the values a run
-  trained with before a field existed, for :func:`check_same_config`.
+  A field whose default is a nested config contributes the defaults its own class declares,
+  recursively (``rl.kl_coef`` is ``RLHFConfig``'s default even where the outer class's factory
+  sets another value), so a field added to any class later is implied at the value that class
+  gives it. Fields without a default are left out. Enums become their values and tuples lists,
+  as in a saved ``config.json``. For :func:`check_same_config`.
   """
-  def to_json(o):
-    if dataclasses.is_dataclass(o):
-      return dataclasses.asdict(o)
-    if isinstance(o, enum.Enum):
-      return o.value
-    raise TypeError(f"cannot serialise {type(o).__name__} in a config")
-
   out: dict[str, Any] = {}
   for f in dataclasses.fields(cls):
     if f.default is not dataclasses.MISSING:
@@ -403,8 +397,12 @@ def dataclass_defaults(cls: type) -> dict[str, Any]:
       value = f.default_factory()
     else:
       continue
-    out[f.name] = json.loads(json.dumps(value, default=to_json))
-  return flatten_config(out)
+    if dataclasses.is_dataclass(value):
+      out.update({f"{f.name}.{k}": v for k, v in dataclass_defaults(type(value)).items()})
+    else:
+      out[f.name] = json.loads(json.dumps(
+          value, default=lambda o: o.value if isinstance(o, enum.Enum) else repr(o)))
+  return out
 
 
 def check_same_config(logdir: str, section: str, now: dict[str, Any],
@@ -416,7 +414,7 @@ def check_same_config(logdir: str, section: str, now: dict[str, Any],
   ``rl.kl_coef``); a run without a saved config passes. A field missing from the saved config
   (one added to the config classes after the run started) counts as ``defaults[field]`` (flat
   dotted keys, e.g. from :func:`dataclass_defaults`, or nested), the value the run was trained
-  with; without a default it differs from any value.
+  with; without a default it reads as ``None``.
 
   Raises:
     ValueError: naming every differing field with its saved and current value.
@@ -433,14 +431,10 @@ def check_same_config(logdir: str, section: str, now: dict[str, Any],
              if k in now and k not in saved}
   saved = {**implied, **saved}
   keys = sorted(set(saved) | set(now))
-  missing = object()
-  diff = {k: (saved.get(k, missing), now.get(k, missing)) for k in keys
-          if saved.get(k, missing) != now.get(k, missing)}
+  diff = {k: (saved.get(k), now.get(k)) for k in keys if saved.get(k) != now.get(k)}
   if diff:
-    def show(v):
-      return "(absent)" if v is missing else repr(v)
     shown = ", ".join(
-        f"{k}: {'not saved, so the default ' if k in implied else 'saved '}{show(a)}, now {show(b)}"
+        f"{k}: {'not saved, so the default ' if k in implied else 'saved '}{a!r}, now {b!r}"
         for k, (a, b) in diff.items())
     raise ValueError(
         f"{logdir!r} holds a run with a different config ({shown}); use a new --logdir "

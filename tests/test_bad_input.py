@@ -138,6 +138,10 @@ def _cases(tmp_path, existing, hf=None):
                           "--lr must be > 0, got 0.0"),
       "rm_lr_without_data": ("train_rlhf.py", ["--rm_lr=1e-5", e],
                              "--rm_lr applies to --preference_data runs only"),
+      "rm_lr_in_sft": ("train_sft.py", [f"--preference_data={good}", "--rm_lr=1e-5", e],
+                       "--rm_lr does nothing in train_sft.py (it trains no reward model)"),
+      "critic_lr_without_critic": ("train_rlhf.py", ["--algo=grpo", "--critic_lr=1e-5", e],
+                                   "--critic_lr applies to --algo=ppo only (grpo has no critic)"),
       "existing_run_without_resume": ("train_rlhf.py", [e, "--noresume"],
                                       "already holds an RLHF run; pass --resume"),
       "checkpoint_every": ("train_rlhf.py", ["--checkpoint_every=0"],
@@ -170,7 +174,8 @@ def _cases(tmp_path, existing, hf=None):
 CASES = ["unknown_algo", "logdir_not_writable", "malformed_json", "invalid_utf8",
          "missing_rejected", "empty_dataset", "missing_file", "overlong_prompts_rejected",
          "tokenizer_exceeds_vocab", "config_mismatch", "config_mismatch_nested", "sft_steps_zero",
-         "lr_not_positive", "rm_lr_without_data", "existing_run_without_resume",
+         "lr_not_positive", "rm_lr_without_data", "rm_lr_in_sft", "critic_lr_without_critic",
+         "existing_run_without_resume",
          "checkpoint_every", "model_unsupported_type", "model_tensor_shape_mismatch",
          "model_missing_folder", "model_missing_config", "model_with_tokenizer",
          "model_without_data"]
@@ -195,13 +200,14 @@ def test_resume_check_compares_nested_fields_and_implies_class_defaults(tmp_path
   """A field missing from a saved alignment config (added to a config class later) counts as
   that class's declared default; nested fields are compared one by one."""
   from rljax import checkpoint as ckpt
+  from rljax import ppo as ppo_lib
   from rljax.alignment import checkpointing, rlhf
 
   defaults = ckpt.dataclass_defaults(pipeline.EmbeddedConfig)
-  # Nested fields carry their field's declared default (default_rl_config("ppo") sets
-  # kl_coef=0.02 and ppo.num_epochs=2 against RLHFConfig's 0.05 and 1), in JSON form.
-  assert defaults["rl.kl_coef"] == 0.02 != rlhf.RLHFConfig().kl_coef
-  assert defaults["rl.ppo.num_epochs"] == 2
+  # Nested fields carry their own class's declared defaults, not the values the outer class's
+  # factory sets (default_rl_config("ppo"): kl_coef 0.02, ppo.num_epochs 2), in JSON form.
+  assert defaults["rl.kl_coef"] == rlhf.RLHFConfig().kl_coef == 0.05
+  assert defaults["rl.ppo.num_epochs"] == ppo_lib.PPOConfig().num_epochs == 4
   assert defaults["rl.kl_estimator"] == "k1" and defaults["rl.stop_ids"] == []
   assert defaults["sft_steps"] == 150 and "rl" not in defaults
   cfg = pipeline.EmbeddedConfig()
@@ -223,7 +229,7 @@ def test_resume_check_compares_nested_fields_and_implies_class_defaults(tmp_path
           "rl.kl_coef: saved 0.02, now 0.5, rl.ppo.vf_coef: not saved, so the default 0.5, "
           "now 1.0)") in str(err.value)
   # Without defaults a missing field differs from any value.
-  with pytest.raises(ValueError, match=r"num_eval_prompts: saved \(absent\), now 256"):
+  with pytest.raises(ValueError, match=r"num_eval_prompts: saved None, now 256"):
     ckpt.check_same_config(str(tmp_path), "rlhf_embedded", now)
 
 

@@ -134,6 +134,30 @@ def test_pretrained_model_defaults_to_fine_tuning_learning_rates():
   assert same == scratch
 
 
+def test_train_rlhf_with_model_starts_from_the_pretrained_rates(hf_folder, tmp_path):
+  """train_rlhf.py's config with --model, read back from the resume check against a saved
+  from-scratch config (the script stops there, before compiling): every learning rate is the
+  pretrained one, and --critic_lr overrides its own."""
+  from rljax.alignment import checkpointing
+
+  path = tmp_path / "hh.jsonl"
+  path.write_text("\n".join(hh_lines()) + "\n")
+  logdir = tmp_path / "run"
+  (logdir / "checkpoints").mkdir(parents=True)
+  saved = dict(checkpointing.config_to_json(pipeline.PreferenceConfig()), data=str(path))
+  (logdir / "checkpoints" / "config.json").write_text(json.dumps({"rlhf_preference": saved}))
+  out = subprocess.run(
+      [sys.executable, os.path.join(REPO, "experiments", "train_rlhf.py"),
+       f"--preference_data={path}", f"--model={hf_folder}", "--critic_lr=2e-5",
+       f"--logdir={logdir}", "--nocompilation_cache"],
+      capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+  assert out.returncode == 2, out.stderr[-3000:]
+  for diff in ("(lr: saved 0.002, now 1e-05,", f"model: saved None, now {hf_folder!r},",
+               "rl.actor_lr: saved 5e-05, now 5e-07,", "rl.critic_lr: saved 0.0005, now 2e-05,",
+               "rm_lr: saved 0.0005, now 9e-06)"):
+    assert diff in out.stderr, out.stderr[-3000:]
+
+
 def test_tokenizer_with_model_is_refused():
   with pytest.raises(ValueError, match="--tokenizer cannot be combined with --model"):
     pipeline.PreferenceConfig(model="m", tokenizer="t")

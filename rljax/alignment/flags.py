@@ -30,7 +30,7 @@ class DataFlags:
 
     Raises:
       ValueError: ``--model`` with ``--tokenizer`` or ``--vocab_size`` (both come from the
-        model folder).
+        model folder); ``--lr`` or ``--rm_lr`` not > 0.
     """
     if self.model.value is not None:
       for name in ("tokenizer", "vocab_size"):

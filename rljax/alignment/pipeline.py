@@ -359,7 +359,9 @@ class PreferenceConfig:
     model: a pretrained Hugging Face model folder (:func:`load_pretrained`; OpenRLHF's
       ``--pretrain``): tokenizer and initial weights come from it, pre-training is skipped, and
       ``vocab_size``, ``hidden_size``, ``num_layers``, ``num_heads``, ``num_kv_heads`` and
-      ``pretrain_steps`` are unused. Not with ``tokenizer``.
+      ``pretrain_steps`` are unused. Not with ``tokenizer``. Setting only ``model`` keeps the
+      from-scratch learning rates; ``preference_defaults(model)`` (what the scripts use)
+      starts from fine-tuning ones.
   """
 
   vocab_size: int = 2048
