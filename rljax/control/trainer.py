@@ -575,7 +575,7 @@ def _from_items(ts: TrainState, policy: dict, train_item: dict) -> TrainState:
 
 def _check_same_config(logdir: str, config: ControlConfig) -> None:
   """A run resumes only with the config it was started with (else it is not exact)."""
-  defaults = json.loads(ControlConfig(env=config.env).to_json())  # for fields added since
+  defaults = ckpt.dataclass_defaults(ControlConfig)  # implied for fields added since
   ckpt.check_same_config(logdir, "control", json.loads(config.to_json()), defaults)
 
 
