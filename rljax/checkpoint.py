@@ -368,6 +368,18 @@ def check_writable(logdir: str) -> None:
     raise ValueError(f"--logdir {logdir!r} is not writable: {e.strerror or e}.") from None
 
 
+def _enum_value(o: Any) -> Any:
+  """``json.dumps`` ``default`` for configs: enums by value; anything else unserialisable."""
+  if isinstance(o, enum.Enum):
+    return o.value
+  raise TypeError(f"cannot serialise {type(o).__name__} in a config")
+
+
+def config_to_json(config: Any) -> dict[str, Any]:
+  """A (nested) config dataclass as JSON-able dict: enums by value, tuples as lists."""
+  return json.loads(json.dumps(dataclasses.asdict(config), default=_enum_value, sort_keys=True))
+
+
 def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
   """A nested JSON config as one level of dotted keys: ``{"rl": {"ppo": {"clip_eps": 0.2}}}``
   becomes ``{"rl.ppo.clip_eps": 0.2}``. Non-dict values (lists, None) are leaves."""
@@ -400,8 +412,7 @@ def dataclass_defaults(cls: type) -> dict[str, Any]:
     if dataclasses.is_dataclass(value):
       out.update({f"{f.name}.{k}": v for k, v in dataclass_defaults(type(value)).items()})
     else:
-      out[f.name] = json.loads(json.dumps(
-          value, default=lambda o: o.value if isinstance(o, enum.Enum) else repr(o)))
+      out[f.name] = json.loads(json.dumps(value, default=_enum_value))
   return out
 
 

@@ -34,8 +34,6 @@ written and :class:`Preempted` is raised; the scripts then exit with
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import json
 import os
 from collections.abc import Callable
@@ -67,15 +65,7 @@ class Preempted(Exception):
     self.step = step
 
 
-def config_to_json(config: Any) -> dict[str, Any]:
-  """A (nested) config dataclass as JSON-able dict: enums by value, tuples as lists."""
-
-  def default(o):
-    if isinstance(o, enum.Enum):
-      return o.value
-    raise TypeError(f"cannot serialise {type(o).__name__} in a config")
-
-  return json.loads(json.dumps(dataclasses.asdict(config), default=default, sort_keys=True))
+config_to_json = ckpt.config_to_json  # a (nested) config as JSON: enums by value, tuples lists
 
 
 # ---- the train state as two orbax items --------------------------------------------------------
