@@ -233,13 +233,17 @@ def test_resume_check_compares_nested_fields_and_implies_class_defaults(tmp_path
     ckpt.check_same_config(str(tmp_path), "rlhf_embedded", now)
 
 
-def test_preference_config_rejects_bad_step_counts():
+def test_preference_config_rejects_bad_step_counts_and_rates():
   for name, bad in (("sft_steps", 0), ("rm_steps", 0), ("rm_batch_size", 0)):
     with pytest.raises(ValueError, match=f"^{name} must be >= 1, got {bad}.$"):
       pipeline.PreferenceConfig(**{name: bad})
   with pytest.raises(ValueError, match=r"^pretrain_steps must be >= 0, got -1.$"):
     pipeline.PreferenceConfig(pretrain_steps=-1)
   assert pipeline.PreferenceConfig(pretrain_steps=0).pretrain_steps == 0
+  # The rates, where the library (not only the scripts' flags) builds the config.
+  for name, bad in (("lr", 0.0), ("rm_lr", -1e-5), ("lr", float("nan"))):
+    with pytest.raises(ValueError, match=rf"^{name} must be > 0, got {bad}.$"):
+      pipeline.PreferenceConfig(**{name: bad})
 
 
 def test_verbose_shows_the_traceback(tmp_path, existing_run):

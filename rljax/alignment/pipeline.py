@@ -407,6 +407,9 @@ class PreferenceConfig:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
     if self.pretrain_steps < 0:
       raise ValueError(f"pretrain_steps must be >= 0, got {self.pretrain_steps}.")
+    for name in ("lr", "rm_lr"):
+      if not getattr(self, name) > 0:  # also refuses NaN
+        raise ValueError(f"{name} must be > 0, got {getattr(self, name)}.")
 
 
 # Learning rates for a pretrained ``--model``, from OpenRLHF's example scripts for 1-8B models:
