@@ -78,6 +78,9 @@ _HELP = {
     "policy_init_scale": "Variance scale of the policy's output layer (default 0.01: every state "
                          "starts at loc 0, std init_std; Brax's networks, brax/ant and "
                          "CheetahRun: 1).",
+    "overlap_value_update": "Update the value network on a second thread beside the next "
+                            "rollout (same PPO up to rounding; default on for CheetahRun; one "
+                            "process, one device, no max_grad_norm).",
     "horizon_length": "APG: steps per policy update (the differentiated rollout).",
     "truncation_length": "APG: gradients flow back at most this many steps (0 = horizon_length).",
     "num_updates": "APG: policy updates in the run.",

@@ -40,6 +40,8 @@ TINY = dict(
         (dict(learning_rate=0.0), "learning_rate must be > 0, got 0.0"),
         (dict(init_std=0.001), r"init_std must be > 0.001 \(the policy's min_std\), got 0.001"),
         (dict(policy_init_scale=-1.0), "policy_init_scale must be > 0, got -1.0"),
+        (dict(overlap_value_update=True, max_grad_norm=1.0),
+         r"overlap_value_update needs max_grad_norm=None .* got max_grad_norm=1.0"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, match):
@@ -192,7 +194,7 @@ def test_bootstrap_values_skip_the_second_value_pass_only_when_exact():
   t, params = trainer.make_trainer(ControlConfig(**TINY))
   ts, env_state = t.init(params)
   ts = ts._replace(obs_stats=running_stats.update(ts.obs_stats, env_state.obs))
-  _, data = jax.jit(t._unroll)(ts, env_state, jax.random.PRNGKey(3))
+  _, data = jax.jit(t._unroll)(ts.params, ts.obs_stats, env_state, jax.random.PRNGKey(3))
   data = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), data)  # [B, T, ...]
   np.testing.assert_array_equal(data["final_obs"][:, :-1], data["obs"][:, 1:])
   obs_n = running_stats.normalize(ts.obs_stats, data["obs"])
@@ -283,6 +285,45 @@ def test_overlapped_evaluation_equals_sequential(tmp_path):
   for run in (a, b):
     assert run.history[0]["eval/episode_reward"] == float(first["eval/episode_reward"])
     assert run.history[0]["eval/episode_reward"] != run.history[1]["eval/episode_reward"]
+
+
+@pytest.mark.parametrize("one_device_mesh", [False, True])
+def test_overlapped_value_update_equals_one_program_chunk(one_device_mesh):
+  """`OverlappedChunk` (the value update on a second thread beside the next rollout) trains
+  the one-program chunk's PPO: over two chunks of 4 iterations the parameters, optimizer
+  state, normaliser, key and counters agree to float rounding, and so do the metrics
+  (``grad_norm`` is the root-sum-square of the two networks' mean norms, a lower bound of
+  the joint one). A run compiles each of its four programs and the evaluation once."""
+  import logging
+
+  config = ControlConfig(**dict(TINY, batch_size=32, num_timesteps=2 * 4 * 32 * 8, lr_schedule="linear"))
+  mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",)) if one_device_mesh else None
+  results = {}
+  for overlap in (False, True):
+    results[overlap] = trainer.train(config.replace(overlap_value_update=overlap), None,
+                                     progress=False, mesh=mesh)
+  a, b = results[False], results[True]
+  assert b.num_compiled == 5  # rollout, policy step, value step, finish; evaluation
+  assert int(b.train_state.iteration) == int(a.train_state.iteration) == 8
+  chex.assert_trees_all_close(b.train_state.params, a.train_state.params, atol=1e-5, rtol=1e-5)
+  chex.assert_trees_all_close(b.train_state.opt_state, a.train_state.opt_state, atol=1e-5, rtol=1e-4)
+  chex.assert_trees_all_close(b.train_state.obs_stats, a.train_state.obs_stats, atol=1e-4, rtol=1e-4)
+  chex.assert_trees_all_equal(b.train_state.key, a.train_state.key)
+  assert int(b.train_state.skipped_updates) == int(a.train_state.skipped_updates) == 0
+  for ra, rb in zip(a.history, b.history, strict=True):
+    assert set(ra) == set(rb)
+    for k in ra:
+      if k.startswith("timing/") or k == "sps":
+        continue
+      if k == "grad_norm":
+        assert 0.9 * ra[k] <= rb[k] <= ra[k] * (1 + 1e-5), (ra["step"], ra[k], rb[k])
+      else:
+        np.testing.assert_allclose(rb[k], ra[k], rtol=1e-3, atol=1e-5, err_msg=k)
+  assert a.history[-1]["eval/episode_reward"] != a.history[0]["eval/episode_reward"]
+  # The same run's train chunk on a machine with a mesh of several devices is one program.
+  tr, _ = trainer.make_trainer(config.replace(overlap_value_update=True))
+  assert isinstance(tr.train_chunk, trainer.OverlappedChunk)
+  assert tr.overlaps_value_update
 
 
 def test_physics_compiles_without_ynn_fusions():

@@ -8,7 +8,9 @@ Data flow of one training iteration (all inside one compiled function)::
     -> observation statistics updated with this rollout's observations
 
 Several iterations run in one ``lax.scan`` between evaluations, so a whole run compiles
-three functions: reset, the training chunk, and the evaluation.
+three functions: reset, the training chunk, and the evaluation. (With
+``ControlConfig.overlap_value_update`` the chunk is instead a host loop of three programs
+per iteration, `OverlappedChunk`, which updates the value network beside the next rollout.)
 
 The observation statistics used to act are the same ones used in the update, and they
 are refreshed only after it, so at the first minibatch of the first epoch the PPO
@@ -242,13 +244,13 @@ class Trainer:
 
   # -- the compiled training iteration --------------------------------------------------
 
-  def _unroll(self, ts: TrainState, env_state, key: Array):
+  def _unroll(self, params, stats, env_state, key: Array):
     """``unroll_length`` steps of all environments; returns leaves ``[T, B, ...]``."""
-    networks, stats = self.networks, ts.obs_stats
+    networks = self.networks
 
     def step(state, step_key):
       obs_n = running_stats.normalize(stats, state.obs)
-      loc, scale = policy_apply(networks, ts.params, obs_n)
+      loc, scale = policy_apply(networks, params, obs_n)
       u = mlp.sample_pre_tanh(step_key, loc, scale)
       next_state = self.env.step(state, jnp.tanh(u))
       transition = dict(
@@ -288,13 +290,12 @@ class Trainer:
     needs_full = jnp.any(data["truncation"][:, :-1])
     return jax.lax.cond(needs_full, full, shifted, None)
 
-  def _iteration(self, carry, _):
-    ts, env_state = carry
+  def _collect(self, params, stats, env_state, key_roll: Array):
+    """``batch_size / num_envs`` unrolls with the policy in ``params``; leaves ``[N, T, ...]``."""
     c = self.config
-    key, key_roll, key_update = jax.random.split(ts.key, 3)
 
     def one_unroll(env_state, k):
-      return self._unroll(ts, env_state, k)
+      return self._unroll(params, stats, env_state, k)
 
     env_state, data = jax.lax.scan(
         one_unroll, env_state, jax.random.split(key_roll, c.unrolls_per_iteration)
@@ -303,10 +304,16 @@ class Trainer:
     data = jax.tree.map(
         lambda x: jnp.swapaxes(x, 1, 2).reshape((-1, c.unroll_length) + x.shape[3:]), data
     )
-    stats = ts.obs_stats
+    return env_state, data
+
+  def _batch(self, params, stats, data) -> tuple[dict[str, Array], Array, Array]:
+    """Values ``V(s_t)`` and ``V(s'_t)`` under ``params``, GAE, and the update's batch
+    (``[N, T]`` leaves, observations normalised); also whether rewards and observations
+    are all finite (two ``[]`` bools)."""
+    c = self.config
     obs_n = running_stats.normalize(stats, data["obs"])
-    values = value_apply(self.networks, ts.params, obs_n)
-    bootstrap = self._bootstrap_values(ts.params, stats, data, values)
+    values = value_apply(self.networks, params, obs_n)
+    bootstrap = self._bootstrap_values(params, stats, data, values)
     truncation = data["truncation"].astype(jnp.float32)
     discounts = 1.0 - data["dones"].astype(jnp.float32) * (1.0 - truncation)
     advantages, returns = ppo.compute_gae(
@@ -327,6 +334,17 @@ class Trainer:
         returns=returns,
         mask=jnp.ones_like(values),
     )
+    finite_rewards = jnp.all(jnp.isfinite(data["rewards"]))
+    finite_obs = jnp.all(jnp.isfinite(data["obs"])) & jnp.all(jnp.isfinite(data["final_obs"]))
+    return batch, finite_rewards, finite_obs
+
+  def _iteration(self, carry, _):
+    ts, env_state = carry
+    c = self.config
+    key, key_roll, key_update = jax.random.split(ts.key, 3)
+    env_state, data = self._collect(ts.params, ts.obs_stats, env_state, key_roll)
+    stats = ts.obs_stats
+    batch, finite_rewards, finite_obs = self._batch(ts.params, stats, data)
     state, update_metrics = ppo.ppo_update(
         ppo.PPOState(ts.params, ts.opt_state),
         batch,
@@ -340,8 +358,6 @@ class Trainer:
     # Non-finite guard (see ppo_update for loss and gradients): a rollout with a
     # non-finite reward or observation changes neither the parameters, the optimizer
     # state nor the normaliser.
-    finite_rewards = jnp.all(jnp.isfinite(data["rewards"]))
-    finite_obs = jnp.all(jnp.isfinite(data["obs"])) & jnp.all(jnp.isfinite(data["final_obs"]))
     apply = finite_rewards & finite_obs & (update_metrics["nonfinite_steps"] == 0)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
     new_ts = TrainState(
@@ -352,19 +368,26 @@ class Trainer:
         iteration=ts.iteration + 1,
         skipped_updates=ts.skipped_updates + (1 - apply.astype(jnp.int32)),
     )
-    update_metrics["train/reward_per_step"] = jnp.mean(data["rewards"])
-    update_metrics["train/episodes_done"] = jnp.sum(data["dones"])
-    update_metrics["nonfinite/reward"] = 1.0 - finite_rewards
-    update_metrics["nonfinite/observation"] = 1.0 - finite_obs
+    _add_data_metrics(update_metrics, data, finite_rewards, finite_obs)
     update_metrics["nonfinite/loss_or_grad"] = (update_metrics["nonfinite_steps"] > 0).astype(jnp.float32)
     return (new_ts, env_state), update_metrics
 
+  @property
+  def overlaps_value_update(self) -> bool:
+    """Whether `train_chunk` runs the value update beside the next rollout (see
+    ``ControlConfig.overlap_value_update``): asked for, one process, at most one device."""
+    one_device = self.mesh is None or self.mesh.devices.size == 1
+    return self.config.overlap_value_update and one_device and jax.process_count() == 1
+
   @functools.cached_property
   def train_chunk(self) -> Callable:
-    """``jit((ts, env_state) -> (ts, env_state, metrics))`` over ``iterations_per_chunk``.
+    """``(ts, env_state) -> (ts, env_state, metrics)`` over ``iterations_per_chunk``.
 
-    The train state and environment state are donated.
+    One jitted ``lax.scan``, which donates the train state and environment state; or,
+    where `overlaps_value_update`, an `OverlappedChunk` with the same interface.
     """
+    if self.overlaps_value_update:
+      return OverlappedChunk(self)
 
     def chunk(ts, env_state):
       ts, env_state = self.place(ts, env_state, inside_jit=True)
@@ -372,14 +395,77 @@ class Trainer:
           self._iteration, (ts, env_state), None, length=self.iterations_per_chunk
       )
       ts, env_state = self.place(ts, _strong_types(env_state), inside_jit=True)
-      out = jax.tree.map(jnp.mean, m)
-      for k in ("nonfinite/reward", "nonfinite/observation", "nonfinite/loss_or_grad"):
-        out[k] = jnp.max(m[k])  # 1.0 if it happened in any iteration of the chunk
-      out["nonfinite/skipped_updates"] = ts.skipped_updates.astype(jnp.float32)
-      return ts, env_state, out
+      return ts, env_state, _chunk_metrics(m, ts.skipped_updates)
 
     return jax.jit(chunk, donate_argnums=(0, 1),
                    compiler_options=runtime.control_compiler_options())
+
+  # -- the overlapped value update: three programs per iteration ------------------------
+
+  def _ov_rollout(self, params, stats, env_state, key):
+    key, key_roll, key_update = jax.random.split(key, 3)
+    env_state, data = self._collect(params, stats, env_state, key_roll)
+    return _strong_types(env_state), data, key, key_update
+
+  def _ov_policy_step(self, params_p, opt_p, params_v, stats, data, key_update):
+    """GAE with the current value network, then the policy's epochs of SGD."""
+    c = self.config
+    is_policy = _policy_mask(params_p)
+    params = _select(is_policy, params_p, params_v)
+    batch, finite_rewards, finite_obs = self._batch(params, stats, data)
+    state, m = ppo.ppo_update(
+        ppo.PPOState(params, opt_p), batch, key_update,
+        apply_fn=_policy_only_apply_fn(self.networks), optimizer=self.optimizer, config=c.ppo,
+    )
+    new_stats = running_stats.update(stats, data["obs"]) if c.normalize_observations else stats
+    finite_data = finite_rewards & finite_obs
+    apply = finite_data & (m["nonfinite_steps"] == 0)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
+    _add_data_metrics(m, data, finite_rewards, finite_obs)
+    m["apply"] = apply
+    value_batch = {k: batch[k] for k in ("obs", "log_probs", "values", "advantages", "returns", "mask")}
+    return (keep(state.params, params), keep(state.opt_state, opt_p), keep(new_stats, stats),
+            value_batch, finite_data, m)
+
+  def _ov_value_step(self, params_v, opt_v, batch, key_update, finite_data, m_policy, acc):
+    """The value network's epochs of SGD on the same minibatches (same ``key_update``);
+    adds this iteration's metrics, as the one-program iteration reports them, to ``acc``."""
+    c = self.config
+    state, m = ppo.ppo_update(
+        ppo.PPOState(params_v, opt_v), batch, key_update,
+        apply_fn=_value_only_apply_fn(self.networks), optimizer=self.optimizer, config=c.ppo,
+    )
+    apply = finite_data & (m["nonfinite_steps"] == 0)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
+    it = dict(m_policy)
+    both = it.pop("apply") & apply
+    it["vf_loss"] = m["vf_loss"]
+    it["loss"] = m_policy["pg_loss"] + c.vf_coef * m["vf_loss"] - c.entropy_coef * m_policy["entropy"]
+    # The root-sum-square of the two networks' mean gradient norms: a lower bound of the
+    # one-program metric, the mean over steps of the joint norm (Minkowski).
+    it["grad_norm"] = jnp.sqrt(jnp.square(m_policy["grad_norm"]) + jnp.square(m["grad_norm"]))
+    it["nonfinite_steps"] = m_policy["nonfinite_steps"] + m["nonfinite_steps"]
+    it["nonfinite/loss_or_grad"] = (it["nonfinite_steps"] > 0).astype(jnp.float32)
+    it["skipped"] = 1 - both.astype(jnp.int32)
+    acc = {k: (jnp.maximum if k in _MAX_METRICS else jnp.add)(acc[k], v) for k, v in it.items()}
+    return keep(state.params, params_v), keep(state.opt_state, opt_v), acc
+
+  def _ov_finish(self, params_p, opt_p, params_v, opt_v, stats, key, ts_before, env_state, acc):
+    is_policy = _policy_mask(params_p)
+    opt_is_policy = optax.tree_map_params(
+        self.optimizer, lambda _, m: m, opt_p, is_policy, transform_non_params=lambda _: True)
+    skipped = acc.pop("skipped")
+    ts = TrainState(
+        params=_select(is_policy, params_p, params_v),
+        opt_state=_select(opt_is_policy, opt_p, opt_v),
+        obs_stats=stats,
+        key=key,
+        iteration=ts_before.iteration + self.iterations_per_chunk,
+        skipped_updates=ts_before.skipped_updates + skipped,
+    )
+    out = {k: v if k in _MAX_METRICS else v / self.iterations_per_chunk for k, v in acc.items()}
+    out["nonfinite/skipped_updates"] = ts.skipped_updates.astype(jnp.float32)
+    return ts, env_state, out
 
   @functools.cached_property
   def evaluate(self) -> Callable:
@@ -522,6 +608,168 @@ class Preempted(Exception):
 
 
 NonFiniteHalt = ckpt.NonFiniteHalt  # raised with nonfinite="halt" after checkpointing
+
+
+_MAX_METRICS = ("nonfinite/reward", "nonfinite/observation", "nonfinite/loss_or_grad")
+
+
+def _chunk_metrics(m: dict[str, Array], skipped_updates: Array) -> dict[str, Array]:
+  """Per-iteration metrics ``[I]`` -> the chunk's: means, and maxima of the non-finite flags
+  (1.0 if it happened in any iteration)."""
+  out = {k: jnp.max(v) if k in _MAX_METRICS else jnp.mean(v) for k, v in m.items()}
+  out["nonfinite/skipped_updates"] = skipped_updates.astype(jnp.float32)
+  return out
+
+
+def _add_data_metrics(m: dict[str, Array], data, finite_rewards: Array, finite_obs: Array) -> None:
+  m["train/reward_per_step"] = jnp.mean(data["rewards"])
+  m["train/episodes_done"] = jnp.sum(data["dones"])
+  m["nonfinite/reward"] = 1.0 - finite_rewards
+  m["nonfinite/observation"] = 1.0 - finite_obs
+
+
+def _policy_mask(params):
+  """``params``' structure with ``True`` at the policy network's leaves."""
+  return jax.tree_util.tree_map_with_path(lambda path, _: path[0].key == "policy", params)
+
+
+def _select(mask, a, b):
+  """Leaves of ``a`` where ``mask`` (a Python-bool tree of the same structure), else of ``b``."""
+  return jax.tree.map(lambda m, x, y: x if m else y, mask, a, b)
+
+
+def _policy_only_apply_fn(networks: Networks) -> ppo.ApplyFn:
+  """`ppo_apply_fn` with the value predictions taken from the batch: the loss's gradient
+  then reaches only the policy network."""
+
+  def apply(params, minibatch):
+    loc, scale = policy_apply(networks, params, minibatch["obs"])
+    log_probs = mlp.squashed_log_prob(minibatch["raw_actions"], loc, scale)
+    return log_probs, minibatch["values"], mlp.gaussian_entropy(scale)
+
+  return apply
+
+
+def _value_only_apply_fn(networks: Networks) -> ppo.ApplyFn:
+  """`ppo_apply_fn` with the rollout's log-probs (ratio 1) and no entropy: the loss's
+  gradient then reaches only the value network."""
+
+  def apply(params, minibatch):
+    values = value_apply(networks, params, minibatch["obs"])
+    return minibatch["log_probs"], values, jnp.zeros_like(values)
+
+  return apply
+
+
+class OverlappedChunk:
+  """A training chunk that updates the value network while the next rollout runs.
+
+  MJX physics keeps one core busy, and the next rollout needs only the new *policy*:
+  the value network's update (the same epochs over the same minibatches, from the same
+  key) can run on a second thread, where XLA's CPU client executes it beside the
+  rollout. Each iteration is three compiled programs::
+
+      main thread:   rollout(pi_k) -> [wait V_k] -> GAE(V_k) + policy update -> rollout(pi_k+1) ...
+      second thread:                               value update V_k -> V_k+1  (beside the rollout)
+
+  GAE is computed once per iteration, before the update, with the value network the
+  one-program iteration uses; the two networks share no parameter and Adam without a
+  global-norm clip treats every leaf alone, so the result is the one-program chunk's
+  up to floating-point reassociation (``tests/test_control.py`` checks it). Only
+  the non-finite guard differs: a non-finite loss or gradient skips that network's
+  update alone (the iteration still counts once in ``nonfinite/skipped_updates``);
+  and the ``grad_norm`` metric is the root-sum-square of the two networks' mean norms.
+
+  Same interface as the jitted chunk: call it, ``lower(ts, env_state).compile()``
+  ahead of time (compiles the four programs), ``_cache_size()``. The environment state is
+  donated, as the one-program chunk donates it; its inputs are not to be reused either way.
+  """
+
+  def __init__(self, trainer: "Trainer"):
+    self.trainer = trainer
+    opts = runtime.control_compiler_options()
+    self._rollout = jax.jit(trainer._ov_rollout, donate_argnums=(2,), compiler_options=opts)
+    self._policy_step = jax.jit(trainer._ov_policy_step, compiler_options=opts)
+    self._value_step = jax.jit(trainer._ov_value_step, compiler_options=opts)
+    self._finish = jax.jit(trainer._ov_finish, compiler_options=opts)
+
+  def _abstract_args(self, ts, env_state):
+    """Abstract arguments of the four programs, from the chunk's (abstract) inputs."""
+    sharding = self._device_sharding
+    sd = lambda tree: jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+    ts, env_state = sd(ts), sd(env_state)
+    r_args = (ts.params, ts.obs_stats, env_state, ts.key)
+    env2, data, key, key_update = sd(jax.eval_shape(self.trainer._ov_rollout, *r_args))
+    p_args = (ts.params, ts.opt_state, ts.params, ts.obs_stats, data, key_update)
+    params_p, opt_p, stats, batch, finite, m_policy = sd(jax.eval_shape(
+        self.trainer._ov_policy_step, *p_args))
+    acc = sd(self._acc_template(m_policy))
+    v_args = (ts.params, ts.opt_state, batch, key_update, finite, m_policy, acc)
+    f_args = (params_p, opt_p, ts.params, ts.opt_state, stats, key, ts, env2, acc)
+    return r_args, p_args, v_args, f_args
+
+  @property
+  def _device_sharding(self):
+    """Inside the chunk arrays live on one device: committed to it where the trainer has a
+    (one-device) mesh, whose placed arrays come in; uncommitted otherwise, as they come."""
+    if self.trainer.mesh is None:
+      return None
+    return jax.sharding.SingleDeviceSharding(self.trainer.mesh.devices.flat[0])
+
+  def _acc_template(self, m_policy):
+    acc = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in m_policy.items() if k != "apply"}
+    for k in ("vf_loss", "loss", "grad_norm"):
+      acc[k] = jax.ShapeDtypeStruct((), jnp.float32)
+    acc["nonfinite/loss_or_grad"] = jax.ShapeDtypeStruct((), jnp.float32)
+    acc["skipped"] = jax.ShapeDtypeStruct((), jnp.int32)
+    return acc
+
+  def lower(self, ts, env_state):
+    chunk = self
+
+    class _Lowered:
+      def compile(self):
+        args = chunk._abstract_args(ts, env_state)
+        for fn, a in zip((chunk._rollout, chunk._policy_step, chunk._value_step, chunk._finish), args):
+          fn.lower(*a).compile()
+        return chunk
+
+    return _Lowered()
+
+  def _cache_size(self) -> int:
+    return sum(f._cache_size() for f in (self._rollout, self._policy_step, self._value_step,
+                                         self._finish))
+
+  def __call__(self, ts: TrainState, env_state):
+    # One layout inside the chunk, the one `lower` compiles for, so each program compiles once.
+    sharding = self._device_sharding
+    if sharding is not None:
+      ts, env_state = jax.device_put((ts, env_state), sharding)
+    acc = None
+    params_p, opt_p = ts.params, ts.opt_state
+    params_v, opt_v = ts.params, ts.opt_state
+    stats, key = ts.obs_stats, ts.key
+    value_done = None
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rljax-value") as pool:
+      for _ in range(self.trainer.iterations_per_chunk):
+        env_state, data, key, key_update = self._rollout(params_p, stats, env_state, key)
+        if value_done is not None:
+          params_v, opt_v, acc = value_done.result()
+        params_p, opt_p, stats, batch, finite, m_policy = self._policy_step(
+            params_p, opt_p, params_v, stats, data, key_update)
+        if acc is None:
+          # Host zeros put on the device: no program compiles for them.
+          acc = jax.device_put({k: np.zeros(v.shape, v.dtype)
+                                for k, v in self._acc_template(m_policy).items()}, sharding)
+        value_done = pool.submit(
+            lambda *a: jax.block_until_ready(self._value_step(*a)),
+            params_v, opt_v, batch, key_update, finite, m_policy, acc)
+      params_v, opt_v, acc = value_done.result()
+    ts, env_state, metrics = self._finish(params_p, opt_p, params_v, opt_v, stats, key, ts,
+                                          env_state, acc)
+    # Laid out as the one-program chunk leaves them (what the evaluation was compiled for).
+    return (*self.trainer.place(ts, env_state), metrics)
 
 
 def _strong_types(tree):
