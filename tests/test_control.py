@@ -1,9 +1,11 @@
 """The control trainer: config errors, determinism, checkpoints and end-to-end learning."""
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+import types
 
 import chex
 import jax
@@ -288,13 +290,15 @@ def test_overlapped_evaluation_equals_sequential(tmp_path):
 
 
 @pytest.mark.parametrize("one_device_mesh", [False, True])
-def test_overlapped_value_update_equals_one_program_chunk(one_device_mesh):
+def test_overlapped_value_update_equals_one_program_chunk(one_device_mesh, caplog):
   """`OverlappedChunk` (the value update on a second thread beside the next rollout) trains
   the one-program chunk's PPO: over two chunks of 4 iterations the parameters, optimizer
   state, normaliser, key and counters agree to float rounding, and so do the metrics
   (``grad_norm`` is the root-sum-square of the two networks' mean norms, a lower bound of
-  the joint one). A run compiles each of its four programs and the evaluation once."""
+  the joint one). XLA compiles each of its four programs and the evaluation once, ahead of
+  time (the calls reuse those executables: weak types and placements match)."""
   import logging
+  import re
 
   config = ControlConfig(**dict(TINY, batch_size=32, num_timesteps=2 * 4 * 32 * 8, lr_schedule="linear"))
   mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",)) if one_device_mesh else None
@@ -302,8 +306,18 @@ def test_overlapped_value_update_equals_one_program_chunk(one_device_mesh):
   for overlap in (False, True):
     results[overlap] = trainer.train(config.replace(overlap_value_update=overlap), None,
                                      progress=False, mesh=mesh)
-  a, b = results[False], results[True]
-  assert b.num_compiled == 5  # rollout, policy step, value step, finish; evaluation
+  a = results[False]
+  caplog.clear()
+  jax.config.update("jax_log_compiles", True)
+  try:
+    with caplog.at_level(logging.WARNING, logger="jax"):
+      b = trainer.train(config.replace(overlap_value_update=True), None, progress=False, mesh=mesh)
+  finally:
+    jax.config.update("jax_log_compiles", False)
+  compiled = sorted(m.group(1) for r in caplog.records
+                    if (m := re.match(r"Compiling jit\((_ov_\w+|run)\)", r.getMessage())))
+  assert compiled == ["_ov_finish", "_ov_policy_step", "_ov_rollout", "_ov_value_step", "run"]
+  assert b.num_compiled == 5
   assert int(b.train_state.iteration) == int(a.train_state.iteration) == 8
   chex.assert_trees_all_close(b.train_state.params, a.train_state.params, atol=1e-5, rtol=1e-5)
   chex.assert_trees_all_close(b.train_state.opt_state, a.train_state.opt_state, atol=1e-5, rtol=1e-4)
@@ -320,10 +334,11 @@ def test_overlapped_value_update_equals_one_program_chunk(one_device_mesh):
       else:
         np.testing.assert_allclose(rb[k], ra[k], rtol=1e-3, atol=1e-5, err_msg=k)
   assert a.history[-1]["eval/episode_reward"] != a.history[0]["eval/episode_reward"]
-  # The same run's train chunk on a machine with a mesh of several devices is one program.
+  # With a mesh of several devices the chunk stays one program (the envs are split instead).
   tr, _ = trainer.make_trainer(config.replace(overlap_value_update=True))
-  assert isinstance(tr.train_chunk, trainer.OverlappedChunk)
-  assert tr.overlaps_value_update
+  assert tr.overlaps_value_update and isinstance(tr.train_chunk, trainer.OverlappedChunk)
+  two_devices = types.SimpleNamespace(devices=np.empty((2,), object))
+  assert not dataclasses.replace(tr, mesh=two_devices).overlaps_value_update
 
 
 def test_physics_compiles_without_ynn_fusions():

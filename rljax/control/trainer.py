@@ -418,16 +418,15 @@ class Trainer:
         apply_fn=_policy_only_apply_fn(self.networks), optimizer=self.optimizer, config=c.ppo,
     )
     new_stats = running_stats.update(stats, data["obs"]) if c.normalize_observations else stats
-    finite_data = finite_rewards & finite_obs
-    apply = finite_data & (m["nonfinite_steps"] == 0)
+    apply = finite_rewards & finite_obs & (m["nonfinite_steps"] == 0)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
     _add_data_metrics(m, data, finite_rewards, finite_obs)
     m["apply"] = apply
     value_batch = {k: batch[k] for k in ("obs", "log_probs", "values", "advantages", "returns", "mask")}
     return (keep(state.params, params), keep(state.opt_state, opt_p), keep(new_stats, stats),
-            value_batch, finite_data, m)
+            value_batch, m)
 
-  def _ov_value_step(self, params_v, opt_v, batch, key_update, finite_data, m_policy, acc):
+  def _ov_value_step(self, params_v, opt_v, batch, key_update, m_policy, acc):
     """The value network's epochs of SGD on the same minibatches (same ``key_update``);
     adds this iteration's metrics, as the one-program iteration reports them, to ``acc``."""
     c = self.config
@@ -435,10 +434,12 @@ class Trainer:
         ppo.PPOState(params_v, opt_v), batch, key_update,
         apply_fn=_value_only_apply_fn(self.networks), optimizer=self.optimizer, config=c.ppo,
     )
-    apply = finite_data & (m["nonfinite_steps"] == 0)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
+    # Skipped where the policy's update was (as the one-program guard skips both), or where
+    # this update itself met a non-finite loss or gradient.
+    both = m_policy["apply"] & (m["nonfinite_steps"] == 0)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(both, n, o), new, old)
     it = dict(m_policy)
-    both = it.pop("apply") & apply
+    del it["apply"]
     it["vf_loss"] = m["vf_loss"]
     it["loss"] = m_policy["pg_loss"] + c.vf_coef * m["vf_loss"] - c.entropy_coef * m_policy["entropy"]
     # The root-sum-square of the two networks' mean gradient norms: a lower bound of the
@@ -675,10 +676,16 @@ class OverlappedChunk:
   GAE is computed once per iteration, before the update, with the value network the
   one-program iteration uses; the two networks share no parameter and Adam without a
   global-norm clip treats every leaf alone, so the result is the one-program chunk's
-  up to floating-point reassociation (``tests/test_control.py`` checks it). Only
-  the non-finite guard differs: a non-finite loss or gradient skips that network's
-  update alone (the iteration still counts once in ``nonfinite/skipped_updates``);
-  and the ``grad_norm`` metric is the root-sum-square of the two networks' mean norms.
+  up to floating-point reassociation (``tests/test_control.py`` checks it). Where a
+  reward, observation, loss or gradient is not finite the guard differs: the policy's
+  update (and the normaliser's) is skipped for the rollout and its own loss and gradient
+  only, since the next rollout has used it before the value update ends; the value
+  update is skipped with the policy's or for its own. The iteration counts once in
+  ``nonfinite/skipped_updates``, ``nonfinite_steps`` sums both networks' skipped steps,
+  and after a skip of the value update alone the merged Adam step count is the
+  policy's. The ``grad_norm`` metric is the root-sum-square of the two networks' mean
+  norms, a lower bound of the joint one. Each update's Adam also steps the other
+  network's leaves with zero gradients (elementwise work, discarded at the merge).
 
   Same interface as the jitted chunk: call it, ``lower(ts, env_state).compile()``
   ahead of time (compiles the four programs), ``_cache_size()``. The environment state is
@@ -697,15 +704,16 @@ class OverlappedChunk:
     """Abstract arguments of the four programs, from the chunk's (abstract) inputs."""
     sharding = self._device_sharding
     sd = lambda tree: jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding,
+                                       weak_type=getattr(x, "weak_type", False)), tree)
     ts, env_state = sd(ts), sd(env_state)
     r_args = (ts.params, ts.obs_stats, env_state, ts.key)
     env2, data, key, key_update = sd(jax.eval_shape(self.trainer._ov_rollout, *r_args))
     p_args = (ts.params, ts.opt_state, ts.params, ts.obs_stats, data, key_update)
-    params_p, opt_p, stats, batch, finite, m_policy = sd(jax.eval_shape(
+    params_p, opt_p, stats, batch, m_policy = sd(jax.eval_shape(
         self.trainer._ov_policy_step, *p_args))
     acc = sd(self._acc_template(m_policy))
-    v_args = (ts.params, ts.opt_state, batch, key_update, finite, m_policy, acc)
+    v_args = (ts.params, ts.opt_state, batch, key_update, m_policy, acc)
     f_args = (params_p, opt_p, ts.params, ts.opt_state, stats, key, ts, env2, acc)
     return r_args, p_args, v_args, f_args
 
@@ -756,7 +764,7 @@ class OverlappedChunk:
         env_state, data, key, key_update = self._rollout(params_p, stats, env_state, key)
         if value_done is not None:
           params_v, opt_v, acc = value_done.result()
-        params_p, opt_p, stats, batch, finite, m_policy = self._policy_step(
+        params_p, opt_p, stats, batch, m_policy = self._policy_step(
             params_p, opt_p, params_v, stats, data, key_update)
         if acc is None:
           # Host zeros put on the device: no program compiles for them.
@@ -764,7 +772,7 @@ class OverlappedChunk:
                                 for k, v in self._acc_template(m_policy).items()}, sharding)
         value_done = pool.submit(
             lambda *a: jax.block_until_ready(self._value_step(*a)),
-            params_v, opt_v, batch, key_update, finite, m_policy, acc)
+            params_v, opt_v, batch, key_update, m_policy, acc)
       params_v, opt_v, acc = value_done.result()
     ts, env_state, metrics = self._finish(params_p, opt_p, params_v, opt_v, stats, key, ts,
                                           env_state, acc)
