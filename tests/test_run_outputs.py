@@ -9,6 +9,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -73,10 +74,33 @@ def read_wandb_records(run_dir):
   return records
 
 
+def _finished_records(run_dir, timeout_s: float = 120.0):
+  """The run's records, read once the file holds its ``exit`` record (the last one written).
+
+  wandb writes the file from a separate service process. In one CI run on two overloaded
+  cores the file held none of the ``run.log`` records after ``run.finish()`` had returned;
+  this waits (up to ``timeout_s``) for the writer instead of reading a file it may still be
+  writing. Records that are lost rather than late still fail the callers' assertions.
+  """
+  deadline = time.monotonic() + timeout_s
+  while True:
+    try:
+      records = read_wandb_records(run_dir)
+    except Exception:  # not yet created, or a chunk still being written
+      if time.monotonic() > deadline:
+        raise
+    else:
+      if any(r.WhichOneof("record_type") == "exit" for r in records):
+        return records
+      if time.monotonic() > deadline:
+        return records
+    time.sleep(0.5)
+
+
 def wandb_history(run_dir):
   """``[{metric: value}]`` of the ``run.log`` calls, and the run's config dict."""
   history, config = [], {}
-  for r in read_wandb_records(run_dir):
+  for r in _finished_records(run_dir):
     kind = r.WhichOneof("record_type")
     if kind == "history":
       history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
