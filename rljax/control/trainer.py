@@ -359,7 +359,7 @@ class Trainer:
     # non-finite reward or observation changes neither the parameters, the optimizer
     # state nor the normaliser.
     apply = finite_rewards & finite_obs & (update_metrics["nonfinite_steps"] == 0)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
+    keep = functools.partial(_keep_where, apply)
     new_ts = TrainState(
         params=keep(state.params, ts.params),
         opt_state=keep(state.opt_state, ts.opt_state),
@@ -419,7 +419,7 @@ class Trainer:
     )
     new_stats = running_stats.update(stats, data["obs"]) if c.normalize_observations else stats
     apply = finite_rewards & finite_obs & (m["nonfinite_steps"] == 0)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
+    keep = functools.partial(_keep_where, apply)
     _add_data_metrics(m, data, finite_rewards, finite_obs)
     m["apply"] = apply
     value_batch = {k: batch[k] for k in ("obs", "log_probs", "values", "advantages", "returns", "mask")}
@@ -437,7 +437,7 @@ class Trainer:
     # Skipped where the policy's update was (as the one-program guard skips both), or where
     # this update itself met a non-finite loss or gradient.
     both = m_policy["apply"] & (m["nonfinite_steps"] == 0)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(both, n, o), new, old)
+    keep = functools.partial(_keep_where, both)
     it = dict(m_policy)
     del it["apply"]
     it["vf_loss"] = m["vf_loss"]
@@ -627,6 +627,11 @@ def _add_data_metrics(m: dict[str, Array], data, finite_rewards: Array, finite_o
   m["train/episodes_done"] = jnp.sum(data["dones"])
   m["nonfinite/reward"] = 1.0 - finite_rewards
   m["nonfinite/observation"] = 1.0 - finite_obs
+
+
+def _keep_where(apply: Array, new, old):
+  """``new`` where the ``[]`` bool ``apply`` holds, else ``old`` (the non-finite guard)."""
+  return jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
 
 
 def _policy_mask(params):
