@@ -112,6 +112,22 @@ def test_make_networks_uses_the_policy_initialisation():
     np.testing.assert_allclose(std, init_std, rtol=1e-5)
 
 
+def test_make_networks_initialises_as_nnx_does_op_by_op():
+  """`make_networks` initialises the actor-critic in one compiled (unoptimised) program; the
+  parameters are bitwise the ones NNX's initialisers give run eagerly, op by op. With
+  ``key=None`` it returns the graph definition alone."""
+  env = envs.make(TINY["env"])
+  config = ControlConfig(env=TINY["env"], policy_init_scale=1.0)  # Brax's network sizes
+  key = jax.random.PRNGKey(3)
+  networks, params = trainer.make_networks(config, env, key)
+  eager_graph, eager = nnx.split(mlp.ActorCritic(networks.config, rngs=nnx.Rngs(params=key)),
+                                 nnx.Param)
+  assert networks.graphdef == eager_graph
+  chex.assert_trees_all_equal(params, eager)
+  graph_only, none = trainer.make_networks(config, env, None)
+  assert none is None and graph_only == networks
+
+
 def test_same_seed_gives_bitwise_equal_parameters():
   config = ControlConfig(**TINY)
   a = trainer.train(config, None, progress=False)
@@ -231,50 +247,13 @@ def test_train_chunk_compiles_once_from_abstract_shapes(caplog):
               if r.getMessage().startswith("Compiling jit(chunk)")]
   assert len(compiles) == 1, compiles
   eval_compiles = [r.getMessage() for r in caplog.records
-                   if r.getMessage().startswith("Compiling jit(_episode)")]
+                   if r.getMessage().startswith("Compiling jit(run)")]
   assert len(eval_compiles) == 1, eval_compiles
   tr, params = trainer.make_trainer(ControlConfig(**TINY))
   abstract, tree_a = jax.tree.flatten(tr.abstract_state(params))
   concrete, tree_c = jax.tree.flatten(tr.init(params))
   assert tree_a == tree_c
   assert [(x.shape, x.dtype) for x in abstract] == [(x.shape, x.dtype) for x in concrete]
-
-
-@pytest.mark.parametrize("num_envs", [2, 4, 16])
-def test_evaluation_starts_from_the_training_reset(num_envs):
-  """`Trainer.evaluate` resets its 4 environments with the training environments' compiled
-  reset (two resets of 2, one of 4, or the first 4 of 16) and scores them with Brax's
-  ``EvalWrapper``: the same episode metrics as the ``EvalWrapper`` resetting its own
-  environments inside the program from ``split(key_reset, num_eval_envs)``, with sampled
-  actions (same keys). The reset programs differ only in the last bits (one is unoptimised)."""
-  from brax.envs.wrappers import training as brax_training
-
-  config = ControlConfig(**dict(TINY, num_envs=num_envs, deterministic_eval=False))
-  tr, params = trainer.make_trainer(config)
-  ts, _ = tr.init(params)
-  key = jax.random.PRNGKey(7)
-  got = jax.device_get(tr.evaluate(ts.params, ts.obs_stats, key))
-
-  env = brax_training.EvalWrapper(tr.env)
-
-  @jax.jit
-  def reference(params, stats, key):
-    key_reset, key_act = jax.random.split(key)
-    state = env.reset(jax.random.split(key_reset, config.num_eval_envs))
-
-    def step(state, k):
-      loc, scale = trainer.policy_apply(tr.networks, params, running_stats.normalize(stats, state.obs))
-      return env.step(state, jnp.tanh(mlp.sample_pre_tanh(k, loc, scale))), ()
-
-    state, _ = jax.lax.scan(step, state, jax.random.split(key_act, config.episode_length))
-    return state.info["eval_metrics"]
-
-  want = jax.device_get(reference(ts.params, ts.obs_stats, key))
-  rewards = want.episode_metrics["reward"]
-  assert float(got["eval/episode_reward"]) > 0
-  np.testing.assert_allclose(got["eval/episode_reward"], rewards.mean(), rtol=1e-5)
-  np.testing.assert_allclose(got["eval/episode_reward_std"], rewards.std(), rtol=1e-3, atol=1e-5)
-  assert float(got["eval/episode_length"]) == float(want.episode_steps.mean()) == 50
 
 
 @pytest.mark.parametrize("env", ["playground/CheetahRun", "brax/ant"])
@@ -352,8 +331,8 @@ def test_overlapped_value_update_equals_one_program_chunk(one_device_mesh, caplo
   finally:
     jax.config.update("jax_log_compiles", False)
   compiled = sorted(m.group(1) for r in caplog.records
-                    if (m := re.match(r"Compiling jit\((_ov_\w+|_episode)\)", r.getMessage())))
-  assert compiled == ["_episode", "_ov_finish", "_ov_policy_step", "_ov_rollout", "_ov_value_step"]
+                    if (m := re.match(r"Compiling jit\((_ov_\w+|run)\)", r.getMessage())))
+  assert compiled == ["_ov_finish", "_ov_policy_step", "_ov_rollout", "_ov_value_step", "run"]
   assert b.num_compiled == 5
   assert int(b.train_state.iteration) == int(a.train_state.iteration) == 8
   chex.assert_trees_all_close(b.train_state.params, a.train_state.params, atol=1e-5, rtol=1e-5)

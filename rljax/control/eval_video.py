@@ -67,7 +67,7 @@ def eval_video_callback(
     raise ValueError(f"MP4 needs even height and width, got {height}x{width}.")
   env = envs.make(config.env, **dict(config.env_kwargs))
   # The graph definition only: the parameters come from the train state at each call.
-  networks, _ = trainer_lib.make_networks(config, env, jax.random.PRNGKey(0))
+  networks, _ = trainer_lib.make_networks(config, env, None)
 
   def policy_fn(policy_params, obs):
     params, obs_stats = policy_params

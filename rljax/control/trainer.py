@@ -8,7 +8,8 @@ Data flow of one training iteration (all inside one compiled function)::
     -> observation statistics updated with this rollout's observations
 
 Several iterations run in one ``lax.scan`` between evaluations, so a whole run compiles
-three functions: reset, the training chunk, and the evaluation. (With
+four functions: the networks' initialisation, the reset, the training chunk, and the
+evaluation. (With
 ``ControlConfig.overlap_value_update`` the chunk is instead a host loop of three programs
 per iteration, `OverlappedChunk`, which updates the value network beside the next rollout.)
 
@@ -88,8 +89,9 @@ def _obs_size(env) -> int:
   )
 
 
-def make_networks(config: ControlConfig, env, key: Array) -> tuple[Networks, Any]:
-  """Builds the actor-critic for ``env``; returns ``(networks, params)``."""
+def make_networks(config: ControlConfig, env, key: Array | None) -> tuple[Networks, Any]:
+  """Builds the actor-critic for ``env``; returns ``(networks, params)``, or ``(networks,
+  None)`` for ``key=None`` (the graph definition only: nothing compiles or runs)."""
   net_config = mlp.ActorCriticConfig(
       observation_size=_obs_size(env),
       action_size=int(env.action_size),
@@ -100,14 +102,17 @@ def make_networks(config: ControlConfig, env, key: Array) -> tuple[Networks, Any
       policy_init_scale=config.policy_init_scale,
   )
   make = lambda key: mlp.ActorCritic(net_config, rngs=nnx.Rngs(params=key))
-  graphdef, _ = nnx.split(nnx.eval_shape(make, key), nnx.Param)
+  graphdef, _ = nnx.split(nnx.eval_shape(make, jax.random.PRNGKey(0)), nnx.Param)
+  networks = Networks(graphdef, net_config)
+  if key is None:
+    return networks, None
   # One program instead of NNX's eager initialisers, op by op (a dispatch each, and a compile
   # per new shape): 0.4 s instead of 1.1 s for Brax's default networks on 2 cores, with
-  # bitwise-equal parameters. It runs once, so it compiles without LLVM optimisation.
+  # parameters bitwise equal to the eager ones (tests/test_control.py). It runs once, so it
+  # compiles without LLVM optimisation.
   init = jax.jit(lambda key: nnx.split(make(key), nnx.Param)[1],
                  compiler_options=runtime.run_once_compiler_options())
-  params = init(key)
-  return Networks(graphdef, net_config), params
+  return networks, init(key)
 
 
 def make_optimizer(config: ControlConfig, total_iterations: int) -> optax.GradientTransformation:
@@ -155,6 +160,7 @@ class Trainer:
     config: the run's config.
     networks: graph definition and sizes of the actor-critic.
     env: the batched training environment.
+    eval_env: the batched evaluation environment (Brax's ``EvalWrapper``).
     optimizer: optax transformation.
     iterations_per_chunk: training iterations per compiled call.
     num_chunks: compiled calls per run (one evaluation after each).
@@ -163,6 +169,7 @@ class Trainer:
   config: ControlConfig
   networks: Networks
   env: Any
+  eval_env: Any
   optimizer: optax.GradientTransformation
   iterations_per_chunk: int
   num_chunks: int
@@ -212,13 +219,10 @@ class Trainer:
     if self.mesh is None:
       return ts, env_state
     replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-    return jax.tree.map(lambda x: _with_sharding(x, replicated), ts), self._abstract_env(env_state)
-
-  def _abstract_env(self, env_state):
-    """Abstract environment state ``env_state`` with the shardings `place` gives it."""
-    if self.mesh is None:
-      return env_state
-    return jax.tree.map(lambda x: _with_sharding(x, self._env_sharding(x)), env_state)
+    spec = lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding,
+                                                    weak_type=x.weak_type)
+    return (jax.tree.map(lambda x: spec(x, replicated), ts),
+            jax.tree.map(lambda x: spec(x, self._env_sharding(x)), env_state))
 
   def _init_unplaced(self, params, reset: Callable | None = None) -> tuple[TrainState, Any]:
     c = self.config
@@ -434,9 +438,11 @@ class Trainer:
             value_batch, m)
 
   def _ov_value_step(self, params_v, opt_v, batch, key_update, m_policy):
-    """The value network's epochs of SGD on the same minibatches (same ``key_update``);
-    also returns this iteration's metrics as the one-program iteration reports them, and
-    ``skipped`` (``[]`` int32, 1 if the iteration's update was skipped)."""
+    """The value network's epochs of SGD on the same minibatches (same ``key_update``).
+
+    Returns the value network's parameters and optimizer state, and this iteration's
+    metrics as the one-program iteration reports them plus ``skipped`` (``[]`` int32, 1 if
+    the iteration's update was skipped)."""
     c = self.config
     state, m = ppo.ppo_update(
         ppo.PPOState(params_v, opt_v), batch, key_update,
@@ -479,97 +485,31 @@ class Trainer:
     return ts, env_state, _chunk_metrics(m, ts.skipped_updates)
 
   @functools.cached_property
-  def evaluate(self) -> "Evaluation":
-    """``(params, obs_stats, key) -> metrics``: one full episode per eval env (`Evaluation`)."""
-    return Evaluation(self)
+  def evaluate(self) -> Callable:
+    """``jit((params, obs_stats, key) -> metrics)``: one full episode per eval env."""
+    c, networks = self.config, self.networks
+    n_steps = self.episode_length // c.action_repeat
 
+    def run(params, obs_stats, key):
+      key_reset, key_act = jax.random.split(key)
+      state = self.eval_env.reset(jax.random.split(key_reset, c.num_eval_envs))
 
-class _StartFrom:
-  """An environment whose ``reset`` returns ``state``, reset by another program, and whose
-  ``step`` is ``env``'s: Brax's ``EvalWrapper`` over it adds its episode metrics to ``state``."""
+      def step(state, k):
+        obs_n = running_stats.normalize(obs_stats, state.obs)
+        loc, scale = policy_apply(networks, params, obs_n)
+        u = loc if c.deterministic_eval else mlp.sample_pre_tanh(k, loc, scale)
+        return self.eval_env.step(state, jnp.tanh(u)), ()
 
-  def __init__(self, env, state):
-    self.env, self.state = env, state
+      state, _ = jax.lax.scan(step, state, jax.random.split(key_act, n_steps))
+      eval_metrics = state.info["eval_metrics"]
+      rewards = eval_metrics.episode_metrics["reward"]
+      return {
+          "eval/episode_reward": jnp.mean(rewards),
+          "eval/episode_reward_std": jnp.std(rewards),
+          "eval/episode_length": jnp.mean(eval_metrics.episode_steps),
+      }
 
-  def reset(self, rng):
-    del rng  # the states are already reset
-    # Fresh dicts: EvalWrapper.reset writes into them.
-    return self.state.replace(metrics=dict(self.state.metrics), info=dict(self.state.info))
-
-  def step(self, state, action):
-    return self.env.step(state, action)
-
-
-class Evaluation:
-  """``(params, obs_stats, key) -> metrics``: one full episode in each of ``num_eval_envs``
-  environments, the policy acting as ``config.deterministic_eval`` says, scored by Brax's
-  ``EvalWrapper``. The metrics are ``[]`` float32 arrays: ``eval/episode_reward`` (mean
-  undiscounted return), ``eval/episode_reward_std`` and ``eval/episode_length`` (steps).
-
-  The environments start from the training environments' reset, the program `Trainer.init`
-  compiles (``num_envs`` at a time, the first ``num_eval_envs`` kept), and the compiled
-  evaluation holds only the episode. With its own reset inside, the evaluation took 1.6 s
-  to lower and 3.1 s to compile on CartpoleBalance (2 cores), against 1.1 s and 2.6 s.
-  The reset keys are ``split(key_reset, num_eval_envs)``'s.
-
-  Same interface as a jitted function where `train` needs one: ``lower(params, obs_stats,
-  key).compile()`` ahead of time, and ``_cache_size()``.
-  """
-
-  def __init__(self, trainer: Trainer):
-    self.trainer = trainer
-    c = trainer.config
-    self._num_resets = -(-c.num_eval_envs // c.num_envs)
-    self._run = jax.jit(self._episode, compiler_options=runtime.control_compiler_options())
-
-  def __call__(self, params, obs_stats, key: Array) -> dict[str, Array]:
-    key_reset, key_act = jax.random.split(key)
-    return self._run(params, obs_stats, self._reset_states(key_reset), key_act)
-
-  def lower(self, params, obs_stats, key):
-    """Lowers the episode's program for these (possibly abstract) arguments."""
-    t = self.trainer
-    keys = jax.eval_shape(lambda: jax.random.split(jax.random.PRNGKey(0), t.config.num_envs))
-    state = t._abstract_env(jax.eval_shape(t._reset, keys))
-    key_act = jax.eval_shape(lambda k: jax.random.split(k)[1], key)
-    return self._run.lower(params, obs_stats, (state,) * self._num_resets, key_act)
-
-  def _cache_size(self) -> int:
-    return self._run._cache_size()
-
-  def _reset_states(self, key_reset: Array) -> tuple[Any, ...]:
-    t, n = self.trainer, self._num_resets
-    # split(k, n * num_envs)[:m] equals split(k, m) (JAX's partitionable threefry).
-    keys = np.asarray(jax.random.split(key_reset, n * t.config.num_envs)).reshape(
-        n, t.config.num_envs, -1)
-    return tuple(t.place((), t._compiled_reset(k))[1] for k in keys)
-
-  def _episode(self, params, obs_stats, states: tuple[Any, ...], key_act: Array):
-    t = self.trainer
-    c, networks = t.config, t.networks
-    batched = lambda x: x.ndim > 0 and x.shape[0] == c.num_envs
-    first_envs = lambda *xs: jnp.concatenate(xs)[:c.num_eval_envs] if batched(xs[0]) else xs[0]
-    start = jax.tree.map(first_envs, *states)
-    from brax.envs.wrappers import training as brax_training
-
-    env = brax_training.EvalWrapper(_StartFrom(t.env, start))
-    state = env.reset(None)
-
-    def step(state, k):
-      obs_n = running_stats.normalize(obs_stats, state.obs)
-      loc, scale = policy_apply(networks, params, obs_n)
-      u = loc if c.deterministic_eval else mlp.sample_pre_tanh(k, loc, scale)
-      return env.step(state, jnp.tanh(u)), ()
-
-    n_steps = t.episode_length // c.action_repeat
-    state, _ = jax.lax.scan(step, state, jax.random.split(key_act, n_steps))
-    eval_metrics = state.info["eval_metrics"]
-    rewards = eval_metrics.episode_metrics["reward"]
-    return {
-        "eval/episode_reward": jnp.mean(rewards),
-        "eval/episode_reward_std": jnp.std(rewards),
-        "eval/episode_length": jnp.mean(eval_metrics.episode_steps),
-    }
+    return jax.jit(run, compiler_options=runtime.control_compiler_options())
 
 
 @contextlib.contextmanager
@@ -628,11 +568,16 @@ def make_trainer(
           f"num_envs={config.num_envs} and num_eval_envs={config.num_eval_envs} must be "
           f"divisible by the mesh's data axes ({n_data} devices: {dict(mesh.shape)})."
       )
+  from brax.envs.wrappers import training as brax_training
+
   with _process_local_default_devices():  # MJX puts its model on jax.devices()[0]
     env = envs.TraceOnce(envs.make(config.env, **dict(config.env_kwargs)))
   episode_length = config.episode_length or envs.default_episode_length(config.env)
   train_env = envs.wrap_for_training(
       env, episode_length=episode_length, action_repeat=config.action_repeat
+  )
+  eval_env = brax_training.EvalWrapper(
+      envs.wrap_for_training(env, episode_length=episode_length, action_repeat=config.action_repeat)
   )
   num_chunks = max(config.num_evals - 1, 1)
   total_iterations = max(math.ceil(config.num_timesteps / config.env_steps_per_iteration), 1)
@@ -645,6 +590,7 @@ def make_trainer(
       config=config,
       networks=networks,
       env=train_env,
+      eval_env=eval_env,
       optimizer=optimizer,
       iterations_per_chunk=iterations_per_chunk,
       num_chunks=num_chunks,
@@ -779,9 +725,7 @@ class OverlappedChunk:
     """The four programs traced for the chunk's (abstract) inputs, each from the outputs of
     the ones before it."""
     sharding = self._device_sharding
-    sd = lambda tree: jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding,
-                                       weak_type=getattr(x, "weak_type", False)), tree)
+    sd = lambda tree: jax.tree.map(lambda x: _with_sharding(x, sharding), tree)
     ts, env_state = sd(ts), sd(env_state)
     rollout = self._rollout.trace(ts.params, ts.obs_stats, env_state, ts.key)
     env2, data, key, key_update = sd(rollout.out_info)
@@ -789,9 +733,9 @@ class OverlappedChunk:
                                      key_update)
     params_p, opt_p, stats, batch, m_policy = sd(policy.out_info)
     value = self._value_step.trace(ts.params, ts.opt_state, batch, key_update, m_policy)
-    iteration = sd(value.out_info[2])
+    it_metrics = sd(value.out_info[2])
     finish = self._finish.trace(params_p, opt_p, ts.params, ts.opt_state, stats, key, ts, env2,
-                                (iteration,) * self.trainer.iterations_per_chunk)
+                                (it_metrics,) * self.trainer.iterations_per_chunk)
     return rollout, policy, value, finish
 
   @property
@@ -803,12 +747,16 @@ class OverlappedChunk:
     return jax.sharding.SingleDeviceSharding(self.trainer.mesh.devices.flat[0])
 
   def lower(self, ts, env_state):
+    """Traces and lowers the four programs now (Python, on the calling thread); the
+    returned object's ``compile()`` compiles them (XLA, without the GIL) and returns the
+    chunk."""
+    lowered = [traced.lower() for traced in self._traces(ts, env_state)]
     chunk = self
 
     class _Lowered:
       def compile(self):
-        for traced in chunk._traces(ts, env_state):
-          traced.lower().compile()
+        for low in lowered:
+          low.compile()
         return chunk
 
     return _Lowered()
