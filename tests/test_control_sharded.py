@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 CODE = textwrap.dedent(r'''
@@ -68,6 +69,15 @@ def result():
 
 def test_sharded_params_equal_single_device(result):
   assert result["max_diff"] < 1e-5, result
+
+
+def test_sharded_evaluations_equal_single_device(result):
+  # Every evaluation (before training and after each chunk) of the 8-device run scores what
+  # the 1-device run's does: the same environments, split over the data axis.
+  one, eight = result["rewards"]
+  assert len(one) == len(eight) == 3
+  np.testing.assert_allclose(eight, one, rtol=1e-4)
+  assert len(set(one)) > 1  # the evaluations see the policy change
 
 
 def test_shardings_follow_the_rules(result):
