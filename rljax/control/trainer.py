@@ -219,10 +219,8 @@ class Trainer:
     if self.mesh is None:
       return ts, env_state
     replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-    spec = lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding,
-                                                    weak_type=x.weak_type)
-    return (jax.tree.map(lambda x: spec(x, replicated), ts),
-            jax.tree.map(lambda x: spec(x, self._env_sharding(x)), env_state))
+    return (jax.tree.map(lambda x: _with_sharding(x, replicated), ts),
+            jax.tree.map(lambda x: _with_sharding(x, self._env_sharding(x)), env_state))
 
   def _init_unplaced(self, params, reset: Callable | None = None) -> tuple[TrainState, Any]:
     c = self.config
@@ -795,6 +793,7 @@ class OverlappedChunk:
 
 
 def _with_sharding(x, sharding) -> jax.ShapeDtypeStruct:
+  """The abstract value of ``x`` (shape, dtype, weak type) placed with ``sharding``."""
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
 
 
