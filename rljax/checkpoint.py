@@ -48,6 +48,7 @@ def write_json_atomic(path: str, obj: Any) -> None:
   d = os.path.dirname(path)
   os.makedirs(d, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".json")
+  os.fchmod(fd, 0o644)  # mkstemp's 0600 would leave the config unreadable to a shared group
   with os.fdopen(fd, "w", encoding="utf-8") as f:
     json.dump(obj, f, indent=2, sort_keys=True)
   os.replace(tmp, path)

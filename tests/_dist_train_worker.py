@@ -6,7 +6,8 @@
 
 Each run does, on a mesh over every process's devices:
 
-1. control: one compiled PPO chunk of the control trainer (environments split over ``data``);
+1. control: one compiled PPO chunk of the control trainer (environments split over ``data``),
+   then the trainer's evaluation of the trained policy (as `train` calls it);
 2. RLHF: one PPO step of the RLHF trainer (colocated placement, ``fsdp`` rules);
 3. checkpoint: with 2 processes, the control train state (parameters, optimizer state, the
    data-sharded environment state) is saved to ``<logdir>/ckpt`` by both processes and its
@@ -55,8 +56,10 @@ def control(mesh):
   ts, env_state = tr.init(params)
   ts, env_state, metrics = tr.train_chunk(ts, env_state)
   leaves = _digest(ts.params)
+  ev = jax.device_get(tr.evaluate(ts.params, ts.obs_stats, jax.random.PRNGKey(7)))
   out = dict(params=[float(np.sum(x)) for x in leaves],
              loss=float(np.asarray(jax.device_get(metrics["loss"]))),
+             eval={k: float(np.asarray(v)) for k, v in ev.items()},
              obs_spec=str(env_state.obs.sharding.spec) if mesh is not None else None)
   return tr, ts, env_state, out
 

@@ -169,6 +169,12 @@ def test_logdir_outputs_and_load_policy(tmp_path):
   tr, _ = trainer.make_trainer(config)
   loc, _ = trainer.policy_apply(tr.networks, ts.params, running_stats.normalize(ts.obs_stats, obs))
   np.testing.assert_allclose(policy(obs), jnp.tanh(loc), rtol=1e-6, atol=1e-7)
+  # A width-1 batch would broadcast against the [5] normaliser: refused, naming the shapes.
+  for bad in (jnp.ones((5, 1)), jnp.ones((5, 6)), jnp.ones(())):
+    with pytest.raises(ValueError, match=r"expected \[\.\.\., 5\]"):
+      policy(bad)
+  # The config beside the checkpoints is readable like every other output (not mkstemp's 0600).
+  assert os.stat(os.path.join(logdir, "checkpoints/config.json")).st_mode & 0o777 == 0o644
 
 
 def test_script_runs_and_fills_compilation_cache(tmp_path):

@@ -59,6 +59,16 @@ def test_control_chunk_equals_one_process(runs):
     assert max(abs(a - b) for a, b in zip(r["params"], one["params"])) < 1e-5
 
 
+def test_evaluation_equals_one_process(runs):
+  """The evaluation of the trained policy, run on the 2-process mesh as `train` runs it, gives
+  the 1-process run's episode reward and length (2 eval environments of 20 steps)."""
+  one = runs[2]["eval"]
+  assert one["eval/episode_length"] == 20.0 and one["eval/episode_reward"] > 0.0
+  for r in runs[:2]:
+    assert r["eval"].keys() == one.keys()
+    assert all(abs(r["eval"][k] - one[k]) < 1e-4 for k in one), (r["eval"], one)
+
+
 def test_rlhf_step_equals_one_process(runs):
   one = runs[2]["rlhf"]
   for r in (x["rlhf"] for x in runs[:2]):

@@ -1104,11 +1104,19 @@ def load_policy(logdir: str, *, step: int | None = None, deterministic: bool = T
 
   Raises:
     FileNotFoundError: no checkpoint or config under ``logdir``.
+    ValueError: (when ``policy`` is called) ``obs``'s last axis is not the run's
+      observation size ``D``; a width of 1 would otherwise broadcast silently against the
+      normaliser's ``[D]`` statistics.
   """
   networks, params, stats = load_params(logdir, step=step)
+  obs_size = networks.config.observation_size
 
   @jax.jit
   def policy(obs: Array, key: Array | None = None) -> Array:
+    if obs.ndim == 0 or obs.shape[-1] != obs_size:
+      raise ValueError(
+          f"load_policy({logdir!r}): observations of shape {tuple(obs.shape)}; expected "
+          f"[..., {obs_size}] (this run's observation size).")
     loc, scale = policy_apply(networks, params, running_stats.normalize(stats, obs))
     if deterministic or key is None:
       return jnp.tanh(loc)
