@@ -134,9 +134,10 @@ def _jitted(model, method):
   return lambda *a, **kw: fn(state, *a, **kw)
 
 
-def test_cached_decoding_equals_full_forward():
+@pytest.mark.parametrize("batch", [1, 2])  # 1: the one-sequence path (split-K matvec, one-step attention)
+def test_cached_decoding_equals_full_forward(batch):
   model = _tiny()
-  tokens = jnp.asarray(_tokens(batch=2, length=12, seed=1))
+  tokens = jnp.asarray(_tokens(batch=batch, length=12, seed=1))
   full = _jitted(model, "__call__")(tokens)                    # [B, 12, V]
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t), (b, t))
@@ -156,6 +157,52 @@ def test_cached_decoding_equals_full_forward():
     logits, cache = step(state, tokens[:, i:i + 1], positions[:, i:i + 1], cache, jnp.int32(i))
     steps.append(logits)
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-5)
+
+
+def test_one_sequence_step_equals_the_same_row_in_a_batch():
+  """A decoding step of one sequence (``B = T = 1``: `_one_step_attention`, `_split_k_matvec`)
+  gives that row's hidden states and cache of a batch of 2 (the general path), with hidden
+  slots in the mask, the new slot hidden or visible, an untied head and an odd-sized vector
+  (no split)."""
+  for kw in (dict(), dict(tie_word_embeddings=False, qkv_bias=False)):
+    model = _tiny(**kw)
+    graphdef, state = nnx.split(model)
+    run = jax.jit(lambda s, tok, pos, mask, cache, i: (lambda m: (lambda h, c: (m.logits(h), c))(
+        *m.hidden_states(tok, attention_mask=mask, positions=pos, cache=cache, cache_index=i)))(
+            nnx.merge(graphdef, s)))
+    rng = np.random.RandomState(4)
+    slots = 10
+    cache = tuple(llm.LayerCache(jnp.asarray(rng.randn(*c.k.shape), jnp.float32),
+                                 jnp.asarray(rng.randn(*c.v.shape), jnp.float32))
+                  for c in llm.init_cache(model.config, 2, slots))
+    tok = jnp.asarray(_tokens(batch=2, length=1, seed=5))
+    pos = jnp.asarray([[6], [3]])
+    for new_visible in (True, False):
+      mask = np.ones((2, slots), bool)
+      mask[:, [0, 2, 8]] = False                     # padding before, a gap, an empty later slot
+      mask[:, 6] = new_visible
+      both = run(state, tok, pos, jnp.asarray(mask), cache, jnp.int32(6))
+      one = run(state, tok[:1], pos[:1], jnp.asarray(mask[:1]),
+                tuple(llm.LayerCache(c.k[:1], c.v[:1]) for c in cache), jnp.int32(6))
+      np.testing.assert_allclose(one[0], both[0][:1], rtol=1e-5, atol=1e-5)
+      for c1, c2 in zip(one[1], both[1]):  # the split-K projections sum in another order
+        np.testing.assert_allclose(c1.k, c2.k[:1], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(c1.v, c2.v[:1], rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(c1.k[..., 7:], c2.k[:1, ..., 7:])  # only slot 6 written
+        np.testing.assert_array_equal(c1.k[..., :6], c2.k[:1, ..., :6])
+
+
+def test_split_k_matvec_is_the_einsum_for_one_row():
+  rng = np.random.RandomState(0)
+  x = jnp.asarray(rng.randn(1, 1, 8), jnp.float32)
+  w = jnp.asarray(rng.randn(8, 3, 5), jnp.float32)
+  assert llm._is_cpu_matvec("BTE,EHD->BTHD", x, w)
+  np.testing.assert_allclose(llm._dot("BTE,EHD->BTHD", x, w),
+                             jnp.einsum("BTE,EHD->BTHD", x, w), rtol=1e-6, atol=1e-6)
+  assert not llm._is_cpu_matvec("BTE,EHD->BTHD", jnp.ones((2, 1, 8)), w)   # two rows
+  assert not llm._is_cpu_matvec("BTE,EHD->BTHD", jnp.ones((1, 1, 7)), jnp.ones((7, 3, 5)))
+  assert not llm._is_cpu_matvec("...E,VE->...V", jnp.ones((1, 8)), jnp.ones((5, 8)))  # tied head
+  assert not llm._is_cpu_matvec("BTE,EHD->BTDH", x, w)                     # another output order
 
 
 def test_left_padding_gives_unpadded_log_probs():
