@@ -466,10 +466,13 @@ def _dot(equation: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array
 
 def _is_cpu_matvec(equation: str, x: jax.Array, w: jax.Array) -> bool:
   """Whether ``einsum(equation, x, w)`` is a matrix-vector product that `_split_k_matvec` computes:
-  on CPU, ``x`` holds one row (all its axes but the last are 1), the contracted index is ``x``'s
-  last axis and ``w``'s first, of even size, and the output is ``x``'s other axes followed by
-  ``w``'s in order (true of the model's projections and untied LM head, ``"BTE,EHD->BTHD"``)."""
-  if jax.default_backend() != "cpu" or math.prod(x.shape[:-1]) != 1 or x.shape[-1] % 2:
+  on one CPU device (no mesh whose sharding the split could cross), ``x`` holds one row (all its
+  axes but the last are 1), the contracted index is ``x``'s last axis and ``w``'s first, of even
+  size, and the output is ``x``'s other axes followed by ``w``'s in order (true of the model's
+  projections and untied LM head, e.g. ``"BTE,EHD->BTHD"``; not of the tied head, which
+  contracts the embedding's last axis)."""
+  if (jax.default_backend() != "cpu" or jax.device_count() != 1
+      or math.prod(x.shape[:-1]) != 1 or x.shape[-1] % 2):
     return False
   try:
     lhs, out = equation.replace(" ", "").split("->")
@@ -488,7 +491,8 @@ def _split_k_matvec(x: jax.Array, w: jax.Array) -> jax.Array:
   XLA:CPU runs ``[1, K] x [K, N]`` at about 24 GB/s on 2 cores (PyTorch's reaches 37); the same
   product as a batched dot over two halves of ``K`` (one per core) streamed at 36-38 GB/s. In the
   generation benchmark's batch-1 decode (a 28M-parameter Qwen2) the products took 28% less time
-  (profiled). Sums in another order than one dot (differences of about 1e-7 relative).
+  (profiled). Measured on 2 cores only. Sums in another order than one dot (differences of about
+  1e-7 relative).
   """
   k = w.shape[0]
   halves = jnp.einsum("prk,pkn->prn", x.reshape(2, 1, k // 2), w.reshape(2, k // 2, -1),
@@ -617,7 +621,7 @@ class Attention(nnx.Module):
     qg = jnp.swapaxes(qg, 1, 2)                                      # [B, K, T, G, D]
     if cache is not None:
       k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
-    if cache is not None and b * t == 1 and kv_limit is None:
+    if cache is not None and b * t == 1 and kv_limit is None and jax.default_backend() == "cpu":
       # One sequence, one step: attend over the cache before this step's write plus the new
       # key, then write (see `_one_step_attention`).
       out = _one_step_attention(qg, cache, k, v, mask, cache_index)
@@ -648,29 +652,41 @@ class Attention(nnx.Module):
     return y, cache
 
 
-def _one_step_attention(qg, old: LayerCache, k_new, v_new, mask, cache_index):
+def _one_step_attention(qg: jax.Array, old: LayerCache, k_new: jax.Array, v_new: jax.Array,
+                        mask: jax.Array, cache_index: jax.Array | int) -> jax.Array:
   """One decoding step's attention over the cache *before* this step's write, plus the new key.
 
-  ``qg [B, K, 1, G, D]``; ``old`` the layer's cache without this step's key/value; ``k_new
-  [B, K, D, 1]``, ``v_new [B, K, 1, D]``; ``mask [B, 1, S]`` over the slots, slot
-  ``cache_index`` being the new one. Equal to attending over the updated cache (one softmax
-  over the same scores), but the updated cache then feeds only the decode loop's output. When
-  the attention read it too, XLA:CPU (batch 1) duplicated each cache write into two fusions and
-  copied every layer's keys and values four times a step to keep them apart; this way it copies
-  them twice, and a batch-1 decode step of the generation benchmark's model ran about 6% faster.
-  With several rows the plain path has no such copies, and this one would add them.
+  Args:
+    qg: ``[B, K, 1, G, D]`` scaled queries (``G`` query heads per KV head).
+    old: the layer's cache ``k [B, K, D, S]``, ``v [B, K, S, D]`` without this step's entry.
+    k_new, v_new: this step's key ``[B, K, D, 1]`` and value ``[B, K, 1, D]``, cache dtype.
+    mask: ``[B, 1, S]`` bool visibility of the slots; slot ``cache_index`` is the new one.
+    cache_index: the slot written, clamped to ``[0, S - 1]`` as ``dynamic_update_slice`` does.
+
+  Returns:
+    ``[B, K, 1, G, D]`` f32: the attention over the cache with this step written (one softmax
+    over the same scores, summed in another order), including a row that sees no slot (the
+    uniform mean of the ``S`` updated values). Computed this way the updated cache feeds only the
+    decode loop's output. When the attention read it too, XLA:CPU (batch 1) duplicated each
+    cache write into two fusions and copied every layer's keys and values four times a step;
+    this way it copies them twice, and a batch-1 decode step of the generation benchmark's model
+    ran about 6% faster. With several rows the plain path has no such copies and this one would
+    add them, so `Attention` takes it for one row on CPU only.
   """
   s = old.v.shape[2]
-  is_new = jnp.arange(s, dtype=jnp.int32) == cache_index                     # [S]
+  is_new = jnp.arange(s, dtype=jnp.int32) == jnp.clip(cache_index, 0, s - 1)  # [S]
   scores_old = _dot("BKTGD,BKDS->BKTGS", qg, old.k, out_dtype=jnp.float32)
-  scores_old = jnp.where((mask & ~is_new)[:, None, :, None, :], scores_old, _MASK_VALUE)
+  scores_old = jnp.where(mask[:, None, :, None, :], scores_old, _MASK_VALUE)
+  # The slot being overwritten holds a stale entry: no weight at all, even in a row that sees
+  # nothing (where the masked scores tie and the plain path averages the S updated slots).
+  scores_old = jnp.where(is_new, -jnp.inf, scores_old)
   scores_new = _dot("BKTGD,BKDN->BKTGN", qg, k_new, out_dtype=jnp.float32)  # [B, K, 1, G, 1]
   new_visible = jnp.any(mask & is_new, axis=-1)                               # [B, 1]
   scores_new = jnp.where(new_visible[:, None, :, None, None], scores_new, _MASK_VALUE)
   probs = jax.nn.softmax(jnp.concatenate([scores_old, scores_new], axis=-1), axis=-1)
   probs = probs.astype(old.v.dtype)
-  return (_dot("BKTGS,BKSD->BKTGD", probs[..., :s], old.v)
-          + _dot("BKTGN,BKND->BKTGD", probs[..., s:], v_new))
+  return (_dot("BKTGS,BKSD->BKTGD", probs[..., :s], old.v, out_dtype=jnp.float32)
+          + _dot("BKTGN,BKND->BKTGD", probs[..., s:], v_new, out_dtype=jnp.float32))
 
 
 class MLP(nnx.Module):
@@ -830,6 +846,9 @@ class DecoderLM(nnx.Module):
     """LM head: ``[..., E] -> [..., V]`` f32 (f32 accumulation also for bf16 weights)."""
     if self.lm_head is None:
       return _dot("...E,VE->...V", hidden, self.embed[...], out_dtype=jnp.float32)
+    if math.prod(hidden.shape[:-1]) == 1:  # explicit axes, so that `_dot` may split the product
+      logits = _dot("NE,EV->NV", hidden.reshape(1, -1), self.lm_head[...], out_dtype=jnp.float32)
+      return logits.reshape(hidden.shape[:-1] + logits.shape[-1:])
     return _dot("...E,EV->...V", hidden, self.lm_head[...], out_dtype=jnp.float32)
 
   def values(self, hidden: jax.Array) -> jax.Array:

@@ -44,14 +44,28 @@ def checkpoint_dir(logdir: str) -> str:
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
-  """Writes JSON to ``path`` through a temporary file and ``os.replace``."""
+  """Writes JSON to ``path`` through a temporary file and ``os.replace``, with the mode a plain
+  ``open`` would give (``0o666`` less the umask, not ``mkstemp``'s ``0o600``). On any error the
+  temporary file is removed and ``path`` is left as it was."""
   d = os.path.dirname(path)
   os.makedirs(d, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".json")
-  os.fchmod(fd, 0o644)  # mkstemp's 0600 would leave the config unreadable to a shared group
-  with os.fdopen(fd, "w", encoding="utf-8") as f:
-    json.dump(obj, f, indent=2, sort_keys=True)
-  os.replace(tmp, path)
+  try:
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+      os.fchmod(f.fileno(), 0o666 & ~current_umask())
+      json.dump(obj, f, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+
+
+def current_umask() -> int:
+  """The process's file-mode creation mask (read by setting it and restoring it at once)."""
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return mask
 
 
 def read_config(logdir: str) -> dict[str, Any]:

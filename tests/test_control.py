@@ -173,8 +173,11 @@ def test_logdir_outputs_and_load_policy(tmp_path):
   for bad in (jnp.ones((5, 1)), jnp.ones((5, 6)), jnp.ones(())):
     with pytest.raises(ValueError, match=r"expected \[\.\.\., 5\]"):
       policy(bad)
-  # The config beside the checkpoints is readable like every other output (not mkstemp's 0600).
-  assert os.stat(os.path.join(logdir, "checkpoints/config.json")).st_mode & 0o777 == 0o644
+  # The config beside the checkpoints gets a plain file's mode (not mkstemp's 0600).
+  from rljax import checkpoint as ckpt
+
+  mode = os.stat(os.path.join(logdir, "checkpoints/config.json")).st_mode & 0o777
+  assert mode == 0o666 & ~ckpt.current_umask()
 
 
 def test_script_runs_and_fills_compilation_cache(tmp_path):

@@ -159,39 +159,59 @@ def test_cached_decoding_equals_full_forward(batch):
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-5)
 
 
-def test_one_sequence_step_equals_the_same_row_in_a_batch():
-  """A decoding step of one sequence (``B = T = 1``: `_one_step_attention`, `_split_k_matvec`)
-  gives that row's hidden states and cache of a batch of 2 (the general path), with hidden
-  slots in the mask, the new slot hidden or visible, an untied head and an odd-sized vector
-  (no split)."""
-  for kw in (dict(), dict(tie_word_embeddings=False, qkv_bias=False)):
-    model = _tiny(**kw)
-    graphdef, state = nnx.split(model)
-    run = jax.jit(lambda s, tok, pos, mask, cache, i: (lambda m: (lambda h, c: (m.logits(h), c))(
-        *m.hidden_states(tok, attention_mask=mask, positions=pos, cache=cache, cache_index=i)))(
-            nnx.merge(graphdef, s)))
-    rng = np.random.RandomState(4)
-    slots = 10
-    cache = tuple(llm.LayerCache(jnp.asarray(rng.randn(*c.k.shape), jnp.float32),
-                                 jnp.asarray(rng.randn(*c.v.shape), jnp.float32))
-                  for c in llm.init_cache(model.config, 2, slots))
-    tok = jnp.asarray(_tokens(batch=2, length=1, seed=5))
-    pos = jnp.asarray([[6], [3]])
-    for new_visible in (True, False):
-      mask = np.ones((2, slots), bool)
-      mask[:, [0, 2, 8]] = False                     # padding before, a gap, an empty later slot
-      mask[:, 6] = new_visible
-      both = run(state, tok, pos, jnp.asarray(mask), cache, jnp.int32(6))
-      one = run(state, tok[:1], pos[:1], jnp.asarray(mask[:1]),
-                tuple(llm.LayerCache(c.k[:1], c.v[:1]) for c in cache), jnp.int32(6))
-      np.testing.assert_allclose(one[0], both[0][:1], rtol=1e-5, atol=1e-5)
-      for c1, c2 in zip(one[1], both[1]):  # the split-K projections sum in another order
-        np.testing.assert_allclose(c1.k, c2.k[:1], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(c1.v, c2.v[:1], rtol=1e-5, atol=1e-6)
-        np.testing.assert_array_equal(c1.k[..., 7:], c2.k[:1, ..., 7:])  # only slot 6 written
-        np.testing.assert_array_equal(c1.k[..., :6], c2.k[:1, ..., :6])
+@pytest.mark.parametrize("kw, cache_dtype, tol", [
+    (dict(), "float32", 1e-5),
+    (dict(tie_word_embeddings=False, qkv_bias=False, intermediate_size=47), "float32", 1e-5),
+    (dict(dtype="bfloat16"), "bfloat16", 3e-2),
+    (dict(dtype="bfloat16", tie_word_embeddings=False), "float32", 3e-2),
+])
+def test_one_sequence_step_equals_the_same_row_in_a_batch(kw, cache_dtype, tol):
+  """A decoding step of one sequence (``B = T = 1`` on CPU: `_one_step_attention`, and
+  `_split_k_matvec` for the projections and an untied head; the 47-wide MLP's down projection has
+  an odd ``K`` and is not split) gives the logits and cache of that row in a batch of 2 (the
+  general path): with hidden slots, the new slot visible or hidden, no visible slot at all, and
+  the last slot written. f32 and bf16 models, bf16 and f32 caches."""
+  model = _tiny(**kw)
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def step(state, tokens, positions, mask, cache, index):
+    m = nnx.merge(graphdef, state)
+    hidden, cache = m.hidden_states(tokens, attention_mask=mask, positions=positions,
+                                    cache=cache, cache_index=index)
+    return m.logits(hidden), cache
+
+  rng = np.random.RandomState(4)
+  slots = 10
+  cache = tuple(llm.LayerCache(jnp.asarray(rng.randn(*c.k.shape), cache_dtype),
+                               jnp.asarray(rng.randn(*c.v.shape), cache_dtype))
+                for c in llm.init_cache(model.config, 2, slots))
+  tokens = jnp.asarray(_tokens(batch=2, length=1, seed=5))
+  positions = jnp.asarray([[6], [3]])
+  cases = []
+  # Index `slots`: past the end, written at the last slot as dynamic_update_slice clamps it.
+  for index, visible in ((6, True), (6, False), (slots - 1, True), (slots, True)):
+    mask = np.ones((2, slots), bool)
+    mask[:, [0, 2, 8]] = False                      # padding before, a gap, an empty later slot
+    mask[:, min(index, slots - 1)] = visible
+    cases.append((index, mask))
+  cases.append((6, np.zeros((2, slots), bool)))     # a row that sees nothing: uniform weights
+  for index, mask in cases:
+    both = step(state, tokens, positions, jnp.asarray(mask), cache, jnp.int32(index))
+    one = step(state, tokens[:1], positions[:1], jnp.asarray(mask[:1]),
+               tuple(llm.LayerCache(c.k[:1], c.v[:1]) for c in cache), jnp.int32(index))
+    np.testing.assert_allclose(one[0], both[0][:1], rtol=tol, atol=tol)
+    for c1, c2 in zip(one[1], both[1]):
+      # The written slot: the split-K projections sum in another order. The others: untouched.
+      f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+      np.testing.assert_allclose(f32(c1.k), f32(c2.k[:1]), rtol=tol, atol=tol)
+      np.testing.assert_allclose(f32(c1.v), f32(c2.v[:1]), rtol=tol, atol=tol)
+      others = np.arange(slots) != min(index, slots - 1)
+      np.testing.assert_array_equal(f32(c1.k)[..., others], f32(c2.k[:1])[..., others])
+      np.testing.assert_array_equal(f32(c1.v)[:, :, others], f32(c2.v[:1])[:, :, others])
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the split is CPU-only")
 def test_split_k_matvec_is_the_einsum_for_one_row():
   rng = np.random.RandomState(0)
   x = jnp.asarray(rng.randn(1, 1, 8), jnp.float32)
@@ -203,6 +223,7 @@ def test_split_k_matvec_is_the_einsum_for_one_row():
   assert not llm._is_cpu_matvec("BTE,EHD->BTHD", jnp.ones((1, 1, 7)), jnp.ones((7, 3, 5)))
   assert not llm._is_cpu_matvec("...E,VE->...V", jnp.ones((1, 8)), jnp.ones((5, 8)))  # tied head
   assert not llm._is_cpu_matvec("BTE,EHD->BTDH", x, w)                     # another output order
+  assert llm._is_cpu_matvec("NE,EV->NV", jnp.ones((1, 8)), jnp.ones((8, 5)))  # the untied head
 
 
 def test_left_padding_gives_unpadded_log_probs():
