@@ -459,9 +459,15 @@ def _dot(equation: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array
   out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
   if x.dtype == w.dtype and x.dtype != jnp.float32:
     return _dot_low_precision(equation, out_dtype, x, w)
+  return _f32_product(equation, x, w).astype(out_dtype)
+
+
+def _f32_product(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
+  """``einsum(equation, x, w)`` accumulated and returned in f32: by `_split_k_matvec` where
+  `_is_cpu_matvec` allows, else by one einsum."""
   if _is_cpu_matvec(equation, x, w):
-    return _split_k_matvec(x, w).astype(out_dtype)
-  return jnp.einsum(equation, x, w, preferred_element_type=jnp.float32).astype(out_dtype)
+    return _split_k_matvec(x, w)
+  return jnp.einsum(equation, x, w, preferred_element_type=jnp.float32)
 
 
 def _is_cpu_matvec(equation: str, x: jax.Array, w: jax.Array) -> bool:
@@ -469,8 +475,9 @@ def _is_cpu_matvec(equation: str, x: jax.Array, w: jax.Array) -> bool:
   on one CPU device (no mesh whose sharding the split could cross), ``x`` holds one row (all its
   axes but the last are 1), the contracted index is ``x``'s last axis and ``w``'s first, of even
   size, and the output is ``x``'s other axes followed by ``w``'s in order (true of the model's
-  projections and untied LM head, e.g. ``"BTE,EHD->BTHD"``; not of the tied head, which
-  contracts the embedding's last axis)."""
+  projections and untied LM head, e.g. ``"BTE,EHD->BTHD"`` and ``"...E,EV->...V"``, where a
+  leading ``...`` on ``x`` and the output stands for ``x``'s leading axes; not of the tied head,
+  which contracts the embedding's last axis)."""
   if (jax.default_backend() != "cpu" or jax.device_count() != 1
       or math.prod(x.shape[:-1]) != 1 or x.shape[-1] % 2):
     return False
@@ -479,8 +486,14 @@ def _is_cpu_matvec(equation: str, x: jax.Array, w: jax.Array) -> bool:
     xs, ws = lhs.split(",")
   except ValueError:
     return False
-  return ("." not in lhs and len(xs) == x.ndim and len(ws) == w.ndim and xs[-1] == ws[0]
-          and out == xs[:-1] + ws[1:])
+  ellipsis = xs.startswith("...") and out.startswith("...")
+  if ellipsis:
+    xs, out = xs[3:], out[3:]
+  if not xs or "." in xs + ws + out or len(ws) != w.ndim:
+    return False
+  if len(xs) > x.ndim if ellipsis else len(xs) != x.ndim:
+    return False
+  return xs[-1] == ws[0] and out == xs[:-1] + ws[1:]
 
 
 def _split_k_matvec(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -511,9 +524,7 @@ def _dot_low_precision(equation: str, out_dtype, x: jax.Array, w: jax.Array) -> 
   an index that is summed inside one operand alone (true of every dot in this model), so the
   transposes are ``dx = einsum("c,b->a", g, w)`` and ``dw = einsum("a,c->b", x, g)``.
   """
-  if _is_cpu_matvec(equation, x, w):
-    return _split_k_matvec(x, w).astype(out_dtype)
-  return jnp.einsum(equation, x, w, preferred_element_type=jnp.float32).astype(out_dtype)
+  return _f32_product(equation, x, w).astype(out_dtype)
 
 
 def _dot_low_precision_fwd(equation, out_dtype, x, w):
@@ -846,9 +857,6 @@ class DecoderLM(nnx.Module):
     """LM head: ``[..., E] -> [..., V]`` f32 (f32 accumulation also for bf16 weights)."""
     if self.lm_head is None:
       return _dot("...E,VE->...V", hidden, self.embed[...], out_dtype=jnp.float32)
-    if math.prod(hidden.shape[:-1]) == 1:  # explicit axes, so that `_dot` may split the product
-      logits = _dot("NE,EV->NV", hidden.reshape(1, -1), self.lm_head[...], out_dtype=jnp.float32)
-      return logits.reshape(hidden.shape[:-1] + logits.shape[-1:])
     return _dot("...E,EV->...V", hidden, self.lm_head[...], out_dtype=jnp.float32)
 
   def values(self, hidden: jax.Array) -> jax.Array:

@@ -223,7 +223,11 @@ def test_split_k_matvec_is_the_einsum_for_one_row():
   assert not llm._is_cpu_matvec("BTE,EHD->BTHD", jnp.ones((1, 1, 7)), jnp.ones((7, 3, 5)))
   assert not llm._is_cpu_matvec("...E,VE->...V", jnp.ones((1, 8)), jnp.ones((5, 8)))  # tied head
   assert not llm._is_cpu_matvec("BTE,EHD->BTDH", x, w)                     # another output order
-  assert llm._is_cpu_matvec("NE,EV->NV", jnp.ones((1, 8)), jnp.ones((8, 5)))  # the untied head
+  assert llm._is_cpu_matvec("NE,EV->NV", jnp.ones((1, 8)), jnp.ones((8, 5)))
+  assert llm._is_cpu_matvec("...E,EV->...V", jnp.ones((1, 8)), jnp.ones((8, 5)))  # untied head
+  assert llm._is_cpu_matvec("...E,EV->...V", jnp.ones((1, 1, 8)), jnp.ones((8, 5)))
+  assert not llm._is_cpu_matvec("...E,EV->...V", jnp.ones((2, 8)), jnp.ones((8, 5)))
+  assert not llm._is_cpu_matvec("...E,EV->V", jnp.ones((1, 8)), jnp.ones((8, 5)))
 
 
 def test_left_padding_gives_unpadded_log_probs():
