@@ -55,6 +55,9 @@ _KL_HORIZON = flags.DEFINE_integer("kl_horizon", None,
 _ACTOR_LR = flags.DEFINE_float("actor_lr", None, "Actor (policy) Adam learning rate.")
 _CRITIC_LR = flags.DEFINE_float("critic_lr", None, "Critic (value model) Adam learning rate (PPO).")
 _CLIP_HIGH = flags.DEFINE_float("clip_eps_high", None, "DAPO clip-higher upper clip range.")
+_MICROBATCHES = flags.DEFINE_integer(
+    "num_microbatches", None, "Gradient accumulation: parts each PPO minibatch's gradient is "
+    "computed over, one at a time (must divide the minibatch's sequences; default 1).")
 _OVERLONG = flags.DEFINE_integer("overlong_buffer", None, "DAPO overlong buffer (tokens; 0 = off).")
 _LIMIT = flags.DEFINE_integer("limit", None, "Read at most this many preference pairs.")
 _NONFINITE = flags.DEFINE_enum(
@@ -139,6 +142,18 @@ def stage_overrides() -> dict:
   return out
 
 
+def with_ppo_flags(rl):
+  """``rl`` with ``--clip_eps_high`` and ``--num_microbatches`` applied to its ``PPOConfig``."""
+  changes = {}
+  if _CLIP_HIGH.value is not None:
+    changes["clip_eps_high"] = _CLIP_HIGH.value
+  if _MICROBATCHES.value is not None:
+    changes["num_microbatches"] = _MICROBATCHES.value
+  if not changes:
+    return rl
+  return dataclasses.replace(rl, ppo=dataclasses.replace(rl.ppo, **changes))
+
+
 def main(argv):
   del argv
   runtime.configure_logging(_VERBOSE.value)
@@ -162,8 +177,7 @@ def main(argv):
     _DATA_FLAGS.check_data(_DATA.value)
     if _DATA.value is None:
       rl = pipeline.default_rl_config(_ALGO.value, **overrides)
-      if _CLIP_HIGH.value is not None:
-        rl = dataclasses.replace(rl, ppo=dataclasses.replace(rl.ppo, clip_eps_high=_CLIP_HIGH.value))
+      rl = with_ppo_flags(rl)
       config = pipeline.EmbeddedConfig(rl=rl, seed=_SEED.value, **stage_overrides())
     else:
       if not os.path.exists(_DATA.value):
@@ -172,8 +186,7 @@ def main(argv):
       group = 4 if _ALGO.value in ("grpo", "rloo") else 1
       overrides.setdefault("prompts_per_step", base.rl.prompts_per_step // group)
       rl = dataclasses.replace(base.rl, algo=_ALGO.value, group_size=group, **overrides)
-      if _CLIP_HIGH.value is not None:
-        rl = dataclasses.replace(rl, ppo=dataclasses.replace(rl.ppo, clip_eps_high=_CLIP_HIGH.value))
+      rl = with_ppo_flags(rl)
       stages = {k: v for k, v in stage_overrides().items() if k != "num_eval_prompts"}
       if _RM_STEPS.value is not None:
         stages["rm_steps"] = _RM_STEPS.value

@@ -151,6 +151,15 @@ class PPOConfig:
     loss_aggregation: how per-step losses are reduced; see `LossAggregation`.
     num_epochs: passes over the batch per update (``num_updates_per_batch`` in Brax).
     num_minibatches: minibatches per epoch; must divide the batch's leading size.
+    num_microbatches: gradient accumulation: each minibatch's gradient is the weighted
+      sum of the gradients of this many equal parts, computed one after another
+      (``lax.scan``), so a step holds one part's activations at a time. The step is the
+      same as with one part up to floating-point reassociation: advantages are
+      normalised over the whole minibatch, and each part's loss and metrics are
+      weighted by its share of the minibatch's tokens (``TOKEN_MEAN``, flat steps) or
+      sequences (``SEQ_MEAN_*``). Must divide the minibatch size. OpenRLHF's
+      ``micro_train_batch_size`` and verl's ``ppo_micro_batch_size`` are the minibatch
+      size divided by this.
   """
 
   clip_eps: float = 0.2
@@ -162,6 +171,7 @@ class PPOConfig:
   loss_aggregation: LossAggregation = LossAggregation.TOKEN_MEAN
   num_epochs: int = 4
   num_minibatches: int = 4
+  num_microbatches: int = 1
 
   def __post_init__(self):
     if not self.clip_eps > 0:
@@ -180,6 +190,8 @@ class PPOConfig:
       raise ValueError(f"num_epochs must be >= 1, got {self.num_epochs}.")
     if self.num_minibatches < 1:
       raise ValueError(f"num_minibatches must be >= 1, got {self.num_minibatches}.")
+    if self.num_microbatches < 1:
+      raise ValueError(f"num_microbatches must be >= 1, got {self.num_microbatches}.")
 
 
 def masked_mean(x: Array, mask: Array) -> Array:
@@ -325,7 +337,8 @@ PenaltyFn = Callable[[PyTree, Mapping[str, Array], Array, Array], tuple[Array, d
 BATCH_KEYS = ("log_probs", "values", "advantages", "returns", "mask")
 
 
-def _check_batch(batch: Mapping[str, Array], num_minibatches: int) -> int:
+def _check_batch(batch: Mapping[str, Array], num_minibatches: int,
+                 num_microbatches: int = 1) -> int:
   missing = [k for k in BATCH_KEYS if k not in batch]
   if missing:
     raise KeyError(f"ppo_update: batch is missing keys {missing}; it needs {list(BATCH_KEYS)}.")
@@ -336,6 +349,11 @@ def _check_batch(batch: Mapping[str, Array], num_minibatches: int) -> int:
   if n % num_minibatches:
     raise ValueError(
         f"ppo_update: batch size {n} is not divisible by num_minibatches={num_minibatches}."
+    )
+  if (n // num_minibatches) % num_microbatches:
+    raise ValueError(
+        f"ppo_update: minibatch size {n // num_minibatches} (batch {n} / num_minibatches="
+        f"{num_minibatches}) is not divisible by num_microbatches={num_microbatches}."
     )
   return n
 
@@ -387,28 +405,35 @@ def ppo_update(
     KeyError: a required batch key is missing.
     ValueError: the leading sizes differ or ``num_minibatches`` does not divide them.
   """
-  n = _check_batch(batch, config.num_minibatches)
+  n = _check_batch(batch, config.num_minibatches, config.num_microbatches)
   mb = n // config.num_minibatches
 
-  def loss_fn(params, minibatch):
-    log_probs, values, entropy = apply_fn(params, minibatch)
-    loss, metrics = ppo_loss(
-        log_probs,
-        minibatch["log_probs"],
-        minibatch["advantages"],
-        values,
-        minibatch["values"],
-        minibatch["returns"],
-        minibatch["mask"],
-        entropy,
-        config=config,
-    )
-    if penalty_fn is None:
-      return loss, metrics
-    penalty, penalty_metrics = penalty_fn(params, minibatch, log_probs, minibatch["mask"])
-    return loss + penalty, dict(metrics, **penalty_metrics)
+  def make_loss_fn(loss_config: PPOConfig):
+    def loss_fn(params, minibatch):
+      log_probs, values, entropy = apply_fn(params, minibatch)
+      loss, metrics = ppo_loss(
+          log_probs,
+          minibatch["log_probs"],
+          minibatch["advantages"],
+          values,
+          minibatch["values"],
+          minibatch["returns"],
+          minibatch["mask"],
+          entropy,
+          config=loss_config,
+      )
+      if penalty_fn is None:
+        return loss, metrics
+      penalty, penalty_metrics = penalty_fn(params, minibatch, log_probs, minibatch["mask"])
+      return loss + penalty, dict(metrics, **penalty_metrics)
 
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    return loss_fn
+
+  if config.num_microbatches > 1:  # advantages normalised over the minibatch, not each part
+    grad_fn = _accumulated(
+        make_loss_fn(dataclasses.replace(config, normalize_advantages=False)), config)
+  else:
+    grad_fn = jax.value_and_grad(make_loss_fn(config), has_aux=True)
 
   def sgd_step(state: PPOState, minibatch):
     (loss, metrics), grads = grad_fn(state.params, minibatch)
@@ -440,6 +465,63 @@ def ppo_update(
   out["nonfinite_steps"] = jnp.sum(metrics.pop("nonfinite"))
   del out["nonfinite"]
   return state, out
+
+
+# Metrics of `ppo_loss` that are means over tokens whatever the loss aggregation.
+_TOKEN_MEAN_METRICS = ("approx_kl", "clipfrac", "ratio")
+
+
+def _accumulated(loss_fn, config: PPOConfig):
+  """``value_and_grad(loss_fn, has_aux=True)`` over a minibatch, computed as a weighted sum
+  over ``config.num_microbatches`` parts (see `PPOConfig.num_microbatches`). ``loss_fn``
+  must not normalise advantages itself: they are normalised here, over the minibatch.
+
+  Part ``j`` holds rows ``j, j + G, j + 2G, ...`` of the (already shuffled) minibatch, so a
+  leading axis sharded in contiguous blocks stays sharded the same way. A part counts for
+  its real tokens (``TOKEN_MEAN``, or flat ``[N]`` steps) or for 1 (``SEQ_MEAN_*``: the parts
+  hold equally many sequences); the loss, its gradient and the metrics are the count-weighted
+  means over parts, which are the minibatch's own. The token-mean metrics (``approx_kl``,
+  ``clipfrac``, ``ratio``) are always weighted by tokens; every other metric
+  (``penalty_fn``'s included) like the loss.
+  """
+  g = config.num_microbatches
+
+  def part_loss(params, part, weight):
+    loss, metrics = loss_fn(params, part)
+    return loss * weight, (loss, metrics)
+
+  part_grad = jax.value_and_grad(part_loss, has_aux=True)
+
+  def grad_fn(params, minibatch):
+    mask = minibatch["mask"]
+    if config.normalize_advantages:
+      minibatch = dict(minibatch, advantages=normalize_advantages(minibatch["advantages"], mask))
+    parts = jax.tree.map(
+        lambda x: jnp.swapaxes(x.reshape((x.shape[0] // g, g) + x.shape[1:]), 0, 1), minibatch)
+    tokens = jnp.sum(parts["mask"].reshape(g, -1).astype(jnp.float32), axis=-1)   # [G]
+    by_tokens = config.loss_aggregation == LossAggregation.TOKEN_MEAN or mask.ndim == 1
+    counts = tokens if by_tokens else jnp.ones((g,), jnp.float32)
+    weights = counts / jnp.maximum(jnp.sum(counts), 1.0)
+
+    def body(acc, xs):
+      part, w, count, token_count = xs
+      (_, (loss, metrics)), grads = part_grad(params, part, w)
+      sums = {k: v * (token_count if k in _TOKEN_MEAN_METRICS else count)
+              for k, v in dict(metrics, loss=loss).items()}
+      return jax.tree.map(jnp.add, acc, (sums, grads)), None
+
+    first = jax.tree.map(lambda x: x[0], parts)
+    (_, (_, metrics0)), grads0 = jax.eval_shape(part_grad, params, first, weights[0])
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                         (dict(metrics0, loss=jax.ShapeDtypeStruct((), jnp.float32)), grads0))
+    (sums, grads), _ = jax.lax.scan(body, zeros, (parts, weights, counts, tokens))
+    total, total_tokens = jnp.maximum(jnp.sum(counts), 1.0), jnp.maximum(jnp.sum(tokens), 1.0)
+    metrics = {k: v / (total_tokens if k in _TOKEN_MEAN_METRICS else total)
+               for k, v in sums.items()}
+    loss = metrics.pop("loss")
+    return (loss, metrics), grads
+
+  return grad_fn
 
 
 # ----------------------------------------------------------------------------------------------

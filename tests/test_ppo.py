@@ -208,11 +208,100 @@ def test_ppo_update_rejects_indivisible_batch():
                    apply_fn=None, optimizer=optax.sgd(1.0), config=config)
 
 
+def _microbatch_case(shape, seed=0):
+  """A softmax policy over 3 actions with a linear value head, and a batch of ``shape``
+  (``[N]`` flat steps or ``[B, T]`` sequences) whose mask leaves rows 0 and 4 all padding
+  (so with 4 parts, part 0 of the first minibatch has no real token)."""
+  rng = np.random.default_rng(seed)
+  mask = (rng.random(shape) < 0.7).astype(np.float32)
+  mask[0] = mask[4] = 0
+  f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+  obs = f32(rng.normal(size=shape + (3,)))
+  params = {"w": jnp.linspace(-1.0, 1.0, 9).reshape(3, 3), "v": jnp.full((3,), 0.1)}
+
+  def apply_fn(p, mb):
+    logp_all = jax.nn.log_softmax(mb["obs"] @ p["w"])
+    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    return logp_all[..., 0], mb["obs"] @ p["v"], entropy
+
+  old_lp, old_v, _ = apply_fn(params, {"obs": obs})
+  batch = dict(obs=obs, log_probs=old_lp, values=old_v, mask=f32(mask),
+               advantages=f32(rng.normal(size=shape) + 0.5), returns=f32(rng.normal(size=shape)))
+  return params, apply_fn, batch
+
+
+@pytest.mark.parametrize("shape, aggregation", [((64,), ppo.LossAggregation.TOKEN_MEAN)] + [
+    ((16, 5), a) for a in ppo.LossAggregation])
+@pytest.mark.parametrize("num_microbatches", [2, 4])
+def test_ppo_update_microbatches_equal_one_pass(shape, aggregation, num_microbatches):
+  # Gradient accumulation over parts of each minibatch is the same update: advantages are
+  # whitened over the whole minibatch, and each part's loss, gradient and metrics are
+  # weighted by its share of the minibatch's tokens (or sequences, for SEQ_MEAN_*).
+  params, apply_fn, batch = _microbatch_case(shape)
+  opt = optax.sgd(0.5)
+
+  def penalty_fn(p, mb, log_probs, mask):  # a KL-like term aggregated like the loss
+    term = ppo.aggregate_loss(jnp.square(log_probs - mb["log_probs"]), mask, aggregation)
+    return 0.3 * term, {"kl_loss": term}
+
+  def run(g):
+    config = ppo.PPOConfig(num_epochs=2, num_minibatches=2, num_microbatches=g,
+                           entropy_coef=0.01, value_clip_eps=0.2, loss_aggregation=aggregation)
+    update = jax.jit(lambda s, b, k: ppo.ppo_update(
+        s, b, k, apply_fn=apply_fn, optimizer=opt, config=config, penalty_fn=penalty_fn))
+    return update(ppo.PPOState(params, opt.init(params)), batch, jax.random.PRNGKey(3))
+
+  (one, m1), (acc, mg) = run(1), run(num_microbatches)
+  assert sorted(m1) == sorted(mg)
+  for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(acc.params)):
+    np.testing.assert_allclose(b, a, rtol=0, atol=2e-6)
+  for k in m1:
+    np.testing.assert_allclose(mg[k], m1[k], rtol=0, atol=2e-6, err_msg=k)
+  assert float(mg["ratio_first"]) == 1.0  # token-weighted mean of exact ones
+  assert float(jnp.max(jnp.abs(acc.params["w"] - params["w"]))) > 1e-3  # it did train
+
+
+def test_ppo_update_microbatches_whiten_over_the_minibatch():
+  # Part j holds rows j, j + 2, ...: here even rows have advantages 5 higher than odd ones.
+  # Whitening each part alone would remove that offset (the update a per-part whitening
+  # would make is `per_part` below, clearly different); the accumulated update whitens over
+  # the minibatch, as one pass does.
+  params, apply_fn, batch = _microbatch_case((64,))
+  batch = dict(batch, mask=jnp.ones(64),
+               advantages=batch["advantages"] + 5.0 * (jnp.arange(64) % 2 == 0))
+  opt = optax.sgd(0.5)
+
+  def run(g, b, whiten=True):
+    config = ppo.PPOConfig(num_epochs=1, num_minibatches=1, num_microbatches=g,
+                           normalize_advantages=whiten)
+    return ppo.ppo_update(ppo.PPOState(params, opt.init(params)), b, jax.random.PRNGKey(0),
+                          apply_fn=apply_fn, optimizer=opt, config=config)[0].params["w"]
+
+  one, two = run(1, batch), run(2, batch)
+  adv = batch["advantages"]
+  whitened_per_part = jnp.zeros(64)
+  for j in range(2):
+    whitened_per_part = whitened_per_part.at[j::2].set(
+        ppo.normalize_advantages(adv[j::2], jnp.ones(32)))
+  per_part = run(1, dict(batch, advantages=whitened_per_part), whiten=False)
+  np.testing.assert_allclose(two, one, rtol=0, atol=2e-6)
+  assert float(jnp.max(jnp.abs(per_part - one))) > 1e-2
+
+
+def test_ppo_update_rejects_indivisible_minibatch():
+  batch = {k: jnp.zeros((12,)) for k in ppo.BATCH_KEYS}
+  config = ppo.PPOConfig(num_minibatches=2, num_microbatches=4)
+  with pytest.raises(ValueError, match=r"minibatch size 6 .* not divisible by num_microbatches=4"):
+    ppo.ppo_update(ppo.PPOState({}, ()), batch, jax.random.PRNGKey(0),
+                   apply_fn=None, optimizer=optax.sgd(1.0), config=config)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
         (dict(clip_eps=0.0), "clip_eps must be > 0, got 0.0"),
         (dict(num_minibatches=0), "num_minibatches must be >= 1, got 0"),
+        (dict(num_microbatches=0), "num_microbatches must be >= 1, got 0"),
         (dict(loss_aggregation="mean"), "'mean' is not a valid LossAggregation"),
     ],
 )

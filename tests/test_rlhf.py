@@ -66,6 +66,28 @@ def test_ppo_ratio_one_at_first_of_several_minibatches():
     assert rec[k] > 0
 
 
+@pytest.mark.parametrize("algo, extra", [("ppo", {}), ("grpo", dict(group_size=4, kl_placement="loss"))])
+def test_microbatches_give_the_same_step(algo, extra):
+  # Gradient accumulation (2 parts per minibatch) is the same step as one pass, for PPO with
+  # its critic and for GRPO with the KL penalty in the loss, and the first ratio is still
+  # exactly 1.
+  def step(g):
+    tr = _trainer(algo=algo, **extra,
+                  ppo=ppo.PPOConfig(num_epochs=2, num_minibatches=2, num_microbatches=g))
+    return tr.step(), tr.actor_params()
+
+  (rec1, p1), (rec2, p2) = step(1), step(2)
+  assert rec2["ratio_first"] == 1.0
+  for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-6)
+  for k in ("pg_loss", "approx_kl", "clipfrac", "entropy", "loss"):
+    np.testing.assert_allclose(rec2[k], rec1[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  if algo == "ppo":
+    np.testing.assert_allclose(rec2["vf_loss"], rec1["vf_loss"], rtol=1e-5, atol=1e-6)
+  else:
+    np.testing.assert_allclose(rec2["kl_loss"], rec1["kl_loss"], rtol=1e-5, atol=1e-7)
+
+
 def test_grpo_beta0_pg_loss_is_minus_mean_normalised_advantage():
   tr = _trainer(algo="grpo", group_size=4, prompts_per_step=4, kl_coef=0.0,
                 ppo=ppo.PPOConfig(num_epochs=1, num_minibatches=1, normalize_advantages=False))
@@ -142,6 +164,9 @@ def test_config_validation():
     rlhf.RLHFConfig(algo="dpo")
   with pytest.raises(ValueError, match="not divisible by ppo.num_minibatches = 3"):
     rlhf.RLHFConfig(prompts_per_step=8, ppo=ppo.PPOConfig(num_minibatches=3))
+  with pytest.raises(ValueError, match="minibatch's 4 sequences .* not divisible by "
+                                       "ppo.num_microbatches = 3"):
+    rlhf.RLHFConfig(prompts_per_step=8, ppo=ppo.PPOConfig(num_minibatches=2, num_microbatches=3))
 
 
 def test_embedded_default_raises_reward():

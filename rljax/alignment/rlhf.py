@@ -198,6 +198,12 @@ class RLHFConfig:
       raise ValueError(
           f"prompts_per_step * group_size = {self.batch_size} is not divisible by "
           f"ppo.num_minibatches = {self.ppo.num_minibatches}.")
+    if (self.batch_size // self.ppo.num_minibatches) % self.ppo.num_microbatches:
+      raise ValueError(
+          f"a minibatch's {self.batch_size // self.ppo.num_minibatches} sequences "
+          f"(prompts_per_step * group_size = {self.batch_size} / ppo.num_minibatches = "
+          f"{self.ppo.num_minibatches}) are not divisible by ppo.num_microbatches = "
+          f"{self.ppo.num_microbatches}.")
 
   @property
   def batch_size(self) -> int:
@@ -277,7 +283,7 @@ def make_update_fn(actor_graphdef, critic_graphdef, optimizer, config: RLHFConfi
   and the next step does not recompile.
   """
   pcfg = config.ppo
-  m = pcfg.num_minibatches
+  m = pcfg.num_minibatches * pcfg.num_microbatches  # the loss's row count: one part's
 
   def actor_apply(params, mb):
     return modeling.policy_outputs(actor_graphdef, params, mb["prompt_tokens"], mb["prompt_mask"],
@@ -309,8 +315,8 @@ def make_update_fn(actor_graphdef, critic_graphdef, optimizer, config: RLHFConfi
     if reuse:  # the sampler's log-probs; no extra forward pass
       old_lp = jax.lax.stop_gradient(batch["sampler_log_probs"].astype(jnp.float32) * mask)
     else:
-      # Old log-probs: the actor's own function on minibatch-sized chunks (same shapes as in
-      # the loss), so that at the first minibatch the ratio is exactly 1.
+      # Old log-probs: the actor's own function on chunks shaped like the loss's (minibatch
+      # or micro-batch) rows, so that at the first minibatch the ratio is exactly 1.
       chunks = jax.tree.map(lambda x: x.reshape((m, n // m) + x.shape[1:]), batch)
       old_lp, _ = jax.lax.map(lambda mb: actor_apply(state.params["actor"], mb), chunks)
       old_lp = jax.lax.stop_gradient(old_lp.reshape(n, -1))

@@ -15,6 +15,13 @@ class ConfigError(ValueError):
   """A configuration value is out of range; the message names the field and value."""
 
 
+# Automatic gradient accumulation on CPU (`ControlConfig.microbatches_for`): a minibatch
+# gradient of Brax's 256x5 value network (2 cores, swish) over 7,680 transitions ran 8% faster
+# as 2 parts of 3,840, over 15,360 transitions 12% faster as 4 parts (the activations stay in
+# cache), over 5,120 3% faster as 2 parts, and over 2,560 no faster in parts.
+CPU_PART_TRANSITIONS = 4096
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ControlConfig:
   """Everything that defines a control PPO run. Frozen; validated in ``__post_init__``.
@@ -35,6 +42,11 @@ class ControlConfig:
       ``num_minibatches``. ``0`` means ``num_envs``.
     num_minibatches: minibatches per epoch.
     num_epochs: passes over each batch.
+    num_microbatches: parts each minibatch's gradient is accumulated over
+      (`rljax.ppo.PPOConfig.num_microbatches`); must divide the segments per minibatch.
+      The same update up to floating-point reassociation. ``0`` (the default) chooses
+      (`microbatches_for`): on CPU, the fewest parts of at most `CPU_PART_TRANSITIONS`
+      transitions per device; elsewhere 1.
     learning_rate: Adam step size.
     lr_schedule: ``"constant"``, ``"linear"`` (to 0 at the end) or ``"cosine"``.
     max_grad_norm: global gradient-norm clip (``None``: no clipping, as in Brax).
@@ -79,6 +91,7 @@ class ControlConfig:
   batch_size: int = 0
   num_minibatches: int = 8
   num_epochs: int = 4
+  num_microbatches: int = 0
   learning_rate: float = 3e-4
   lr_schedule: str = "constant"
   max_grad_norm: float | None = None
@@ -115,7 +128,7 @@ class ControlConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}.")
-    for name in ("batch_size", "episode_length"):
+    for name in ("batch_size", "episode_length", "num_microbatches"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 0:
         raise ConfigError(f"{name} must be a non-negative integer, got {value!r}.")
@@ -158,6 +171,12 @@ class ControlConfig:
       raise ConfigError(
           f"batch_size={batch} is not divisible by num_minibatches={self.num_minibatches}."
       )
+    if self.num_microbatches and (batch // self.num_minibatches) % self.num_microbatches:
+      raise ConfigError(
+          f"the {batch // self.num_minibatches} segments of a minibatch (batch_size={batch} / "
+          f"num_minibatches={self.num_minibatches}) are not divisible by "
+          f"num_microbatches={self.num_microbatches}."
+      )
     self.ppo  # validates the PPO fields
 
   @property
@@ -182,7 +201,24 @@ class ControlConfig:
         loss_aggregation=LossAggregation.TOKEN_MEAN,
         num_epochs=self.num_epochs,
         num_minibatches=self.num_minibatches,
+        num_microbatches=self.num_microbatches or 1,
     )
+
+  def microbatches_for(self, backend: str, data_devices: int = 1) -> int:
+    """``num_microbatches``, or for ``0`` the automatic choice for ``backend``.
+
+    On CPU, the fewest parts (dividing a minibatch's segments) whose transitions per device,
+    ``segments / parts * unroll_length / data_devices``, are at most `CPU_PART_TRANSITIONS`;
+    1 on other backends, where one large product uses the device best.
+    """
+    if self.num_microbatches or backend != "cpu":
+      return self.num_microbatches or 1
+    segments = self.segments_per_iteration // self.num_minibatches
+    for parts in range(1, segments + 1):
+      if segments % parts == 0 and (
+          segments // parts * self.unroll_length <= CPU_PART_TRANSITIONS * data_devices):
+        return parts
+    return segments
 
   def to_json(self) -> str:
     return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
