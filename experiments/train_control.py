@@ -69,8 +69,8 @@ _HELP = {
     "num_minibatches": "Minibatches per epoch.",
     "num_epochs": "Passes over each batch (Brax's num_updates_per_batch).",
     "num_microbatches": "Gradient accumulation: parts each minibatch's gradient is computed "
-                        "over, one at a time (must divide a minibatch's segments; same update "
-                        "up to rounding).",
+                        "over, one at a time (default 1; must divide a minibatch's segments; "
+                        "same update up to rounding).",
     "learning_rate": "Adam learning rate.",
     "entropy_coef": "Entropy bonus weight.",
     "gamma": "Discount factor.",

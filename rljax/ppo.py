@@ -157,9 +157,10 @@ class PPOConfig:
       same as with one part up to floating-point reassociation: advantages are
       normalised over the whole minibatch, and each part's loss and metrics are
       weighted by its share of the minibatch's tokens (``TOKEN_MEAN``, flat steps) or
-      sequences (``SEQ_MEAN_*``). Must divide the minibatch size. OpenRLHF's
-      ``micro_train_batch_size`` and verl's ``ppo_micro_batch_size`` are the minibatch
-      size divided by this.
+      sequences (``SEQ_MEAN_*``); a ``penalty_fn`` must aggregate its term the same way
+      (``aggregate_loss`` with ``loss_aggregation``). Must divide the minibatch size.
+      OpenRLHF's ``micro_train_batch_size`` and verl's ``ppo_micro_batch_size`` are the
+      minibatch size divided by this.
   """
 
   clip_eps: float = 0.2
@@ -389,7 +390,9 @@ def ppo_update(
       ``penalty_fn(params, minibatch, log_probs, mask) -> (scalar, metrics)``, where
       ``log_probs`` are ``apply_fn``'s (the gradient flows through them). The
       alignment trainer uses it for a KL penalty *in the loss* (GRPO, Shao et al.
-      2024, eq. 3: ``loss += beta * agg(k(log pi, log pi_ref))``).
+      2024, eq. 3: ``loss += beta * agg(k(log pi, log pi_ref))``). With
+      ``config.num_microbatches > 1`` it sees one part at a time and must aggregate
+      with ``aggregate_loss(..., config.loss_aggregation)`` for the sum to be exact.
 
   Returns:
     ``(new_state, metrics)``; metrics are means over all minibatch steps of the
@@ -403,7 +406,8 @@ def ppo_update(
 
   Raises:
     KeyError: a required batch key is missing.
-    ValueError: the leading sizes differ or ``num_minibatches`` does not divide them.
+    ValueError: the leading sizes differ, ``num_minibatches`` does not divide them, or
+      ``num_microbatches`` does not divide the minibatch size.
   """
   n = _check_batch(batch, config.num_minibatches, config.num_microbatches)
   mb = n // config.num_minibatches
@@ -476,13 +480,14 @@ def _accumulated(loss_fn, config: PPOConfig):
   over ``config.num_microbatches`` parts (see `PPOConfig.num_microbatches`). ``loss_fn``
   must not normalise advantages itself: they are normalised here, over the minibatch.
 
-  Part ``j`` holds rows ``j, j + G, j + 2G, ...`` of the (already shuffled) minibatch, so a
-  leading axis sharded in contiguous blocks stays sharded the same way. A part counts for
-  its real tokens (``TOKEN_MEAN``, or flat ``[N]`` steps) or for 1 (``SEQ_MEAN_*``: the parts
-  hold equally many sequences); the loss, its gradient and the metrics are the count-weighted
-  means over parts, which are the minibatch's own. The token-mean metrics (``approx_kl``,
-  ``clipfrac``, ``ratio``) are always weighted by tokens; every other metric
-  (``penalty_fn``'s included) like the loss.
+  Part ``j`` holds rows ``j, j + G, j + 2G, ...`` of the (already shuffled) minibatch. A part
+  counts for its real tokens (``TOKEN_MEAN``, or flat ``[N]`` steps) or for 1 (``SEQ_MEAN_*``:
+  the parts hold equally many sequences); the loss, its gradient and the metrics are the
+  count-weighted means over parts, which are the minibatch's own as long as every term of the
+  loss is aggregated with ``config.loss_aggregation``. The token-mean metrics (``approx_kl``,
+  ``clipfrac``, ``ratio``) are always weighted by tokens; every other metric (``penalty_fn``'s
+  included) like the loss. Sums are kept in at least f32 (bf16 gradients and metrics are
+  accumulated in f32 and cast back once).
   """
   g = config.num_microbatches
 
@@ -491,6 +496,7 @@ def _accumulated(loss_fn, config: PPOConfig):
     return loss * weight, (loss, metrics)
 
   part_grad = jax.value_and_grad(part_loss, has_aux=True)
+  wide = lambda x: x.astype(jnp.promote_types(x.dtype, jnp.float32))  # noqa: E731
 
   def grad_fn(params, minibatch):
     mask = minibatch["mask"]
@@ -503,23 +509,26 @@ def _accumulated(loss_fn, config: PPOConfig):
     counts = tokens if by_tokens else jnp.ones((g,), jnp.float32)
     weights = counts / jnp.maximum(jnp.sum(counts), 1.0)
 
-    def body(acc, xs):
-      part, w, count, token_count = xs
+    def part_sums(part, w, count, token_count):
       (_, (loss, metrics)), grads = part_grad(params, part, w)
-      sums = {k: v * (token_count if k in _TOKEN_MEAN_METRICS else count)
+      sums = {k: wide(v) * (token_count if k in _TOKEN_MEAN_METRICS else count)
               for k, v in dict(metrics, loss=loss).items()}
-      return jax.tree.map(jnp.add, acc, (sums, grads)), None
+      return sums, jax.tree.map(wide, grads)
 
-    first = jax.tree.map(lambda x: x[0], parts)
-    (_, (_, metrics0)), grads0 = jax.eval_shape(part_grad, params, first, weights[0])
-    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
-                         (dict(metrics0, loss=jax.ShapeDtypeStruct((), jnp.float32)), grads0))
+    def body(acc, xs):
+      return jax.tree.map(jnp.add, acc, part_sums(*xs)), None
+
+    first = jax.tree.map(lambda x: x[0], (parts, weights, counts, tokens))
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(part_sums, *first))
     (sums, grads), _ = jax.lax.scan(body, zeros, (parts, weights, counts, tokens))
+    (_, (loss_shape, metric_shapes)), _ = jax.eval_shape(part_grad, params, first[0], first[1])
     total, total_tokens = jnp.maximum(jnp.sum(counts), 1.0), jnp.maximum(jnp.sum(tokens), 1.0)
     metrics = {k: v / (total_tokens if k in _TOKEN_MEAN_METRICS else total)
                for k, v in sums.items()}
     loss = metrics.pop("loss")
-    return (loss, metrics), grads
+    metrics = {k: v.astype(metric_shapes[k].dtype) for k, v in metrics.items()}
+    grads = jax.tree.map(lambda gr, p: gr.astype(p.dtype), grads, params)
+    return (loss.astype(loss_shape.dtype), metrics), grads
 
   return grad_fn
 

@@ -41,7 +41,7 @@ TINY = dict(
         (dict(num_envs=16, batch_size=40), "batch_size=40 must be a multiple of num_envs=16"),
         (dict(num_envs=16, batch_size=48, num_minibatches=4, num_microbatches=5),
          r"the 12 segments of a minibatch .* not divisible by num_microbatches=5"),
-        (dict(num_microbatches=-1), "num_microbatches must be a non-negative integer, got -1"),
+        (dict(num_microbatches=0), "num_microbatches must be a positive integer, got 0"),
         (dict(learning_rate=0.0), "learning_rate must be > 0, got 0.0"),
         (dict(init_std=0.001), r"init_std must be > 0.001 \(the policy's min_std\), got 0.001"),
         (dict(policy_init_scale=-1.0), "policy_init_scale must be > 0, got -1.0"),
@@ -52,22 +52,6 @@ TINY = dict(
 def test_config_rejects_bad_values(kwargs, match):
   with pytest.raises(ConfigError, match=match):
     ControlConfig(**kwargs)
-
-
-def test_automatic_microbatches():
-  # Brax's CartpoleBalance settings: 1,024 segments of 30 steps in 4 minibatches, so 7,680
-  # transitions a minibatch: on CPU the fewest parts of <= 4,096 is 2 (3,840 each); with the
-  # rows split over 2 devices, 1; off CPU, 1; a set value is kept.
-  brax = ControlConfig(num_envs=256, batch_size=1024, num_minibatches=4, unroll_length=30)
-  assert brax.microbatches_for("cpu") == 2
-  assert brax.microbatches_for("cpu", data_devices=2) == 1
-  assert brax.microbatches_for("gpu") == 1
-  assert brax.replace(num_microbatches=4).microbatches_for("gpu") == 4
-  # 30 segments of 200 steps (6,000): 2 parts of 15 segments (3,000). 9 segments of 2,000
-  # steps: 3 parts of 3 segments (6,000) are still too big, so 9 parts of one segment.
-  assert ControlConfig(num_envs=30, num_minibatches=1, unroll_length=200).microbatches_for("cpu") == 2
-  assert ControlConfig(num_envs=9, num_minibatches=1, unroll_length=2000).microbatches_for("cpu") == 9
-  assert brax.ppo.num_microbatches == 1  # the unresolved config's PPOConfig
 
 
 @pytest.mark.parametrize(

@@ -210,8 +210,8 @@ def test_ppo_update_rejects_indivisible_batch():
 
 def _microbatch_case(shape, seed=0):
   """A softmax policy over 3 actions with a linear value head, and a batch of ``shape``
-  (``[N]`` flat steps or ``[B, T]`` sequences) whose mask leaves rows 0 and 4 all padding
-  (so with 4 parts, part 0 of the first minibatch has no real token)."""
+  (``[N]`` flat steps or ``[B, T]`` sequences) with about 30% padding (rows 0 and 4 all
+  padding)."""
   rng = np.random.default_rng(seed)
   mask = (rng.random(shape) < 0.7).astype(np.float32)
   mask[0] = mask[4] = 0
@@ -286,6 +286,39 @@ def test_ppo_update_microbatches_whiten_over_the_minibatch():
   per_part = run(1, dict(batch, advantages=whitened_per_part), whiten=False)
   np.testing.assert_allclose(two, one, rtol=0, atol=2e-6)
   assert float(jnp.max(jnp.abs(per_part - one))) > 1e-2
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_accumulated_gradient_with_an_empty_part(dtype):
+  # `_accumulated` on one minibatch (no shuffle), rows 0, 4, 8 and 12 all padding: part 0 of
+  # 4 has no real token and must count for nothing. bf16 parameters and log-probs: the sums
+  # are kept in f32 and the results come back in the one-pass dtypes.
+  params, apply_fn, batch = _microbatch_case((16, 5))
+  mask = batch["mask"].at[0::4].set(0.0)
+  batch = dict(batch, mask=mask)
+  params = jax.tree.map(lambda x: x.astype(dtype), params)
+  batch = dict(batch, obs=batch["obs"].astype(dtype))
+
+  def make_loss(config):
+    def loss_fn(p, mb):
+      log_probs, values, entropy = apply_fn(p, mb)
+      return ppo.ppo_loss(log_probs, mb["log_probs"], mb["advantages"], values, mb["values"],
+                          mb["returns"], mb["mask"], entropy, config=config)
+    return loss_fn
+
+  config = ppo.PPOConfig(entropy_coef=0.01, num_microbatches=4)
+  (loss1, m1), g1 = jax.value_and_grad(make_loss(config), has_aux=True)(params, batch)
+  no_whitening = ppo.PPOConfig(entropy_coef=0.01, normalize_advantages=False)
+  (loss4, m4), g4 = ppo._accumulated(make_loss(no_whitening), config)(params, batch)
+  tol = 2e-6 if dtype == jnp.float32 else 2e-2
+  assert loss4.dtype == loss1.dtype and {k: v.dtype for k, v in m4.items()} == {
+      k: v.dtype for k, v in m1.items()}
+  np.testing.assert_allclose(np.float32(loss4), np.float32(loss1), rtol=tol, atol=tol)
+  for k in m1:
+    np.testing.assert_allclose(np.float32(m4[k]), np.float32(m1[k]), rtol=tol, atol=tol, err_msg=k)
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g4)):
+    assert b.dtype == a.dtype == dtype
+    np.testing.assert_allclose(np.float32(b), np.float32(a), rtol=tol, atol=tol)
 
 
 def test_ppo_update_rejects_indivisible_minibatch():

@@ -80,7 +80,7 @@ def test_microbatches_give_the_same_step(algo, extra):
   assert rec2["ratio_first"] == 1.0
   for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-6)
-  for k in ("pg_loss", "approx_kl", "clipfrac", "entropy", "loss"):
+  for k in ("pg_loss", "approx_kl", "clipfrac", "entropy", "loss", "grad_norm"):
     np.testing.assert_allclose(rec2[k], rec1[k], rtol=1e-5, atol=1e-6, err_msg=k)
   if algo == "ppo":
     np.testing.assert_allclose(rec2["vf_loss"], rec1["vf_loss"], rtol=1e-5, atol=1e-6)

@@ -15,13 +15,6 @@ class ConfigError(ValueError):
   """A configuration value is out of range; the message names the field and value."""
 
 
-# Automatic gradient accumulation on CPU (`ControlConfig.microbatches_for`): a minibatch
-# gradient of Brax's 256x5 value network (2 cores, swish) over 7,680 transitions ran 8% faster
-# as 2 parts of 3,840, over 15,360 transitions 12% faster as 4 parts (the activations stay in
-# cache), over 5,120 3% faster as 2 parts, and over 2,560 no faster in parts.
-CPU_PART_TRANSITIONS = 4096
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ControlConfig:
   """Everything that defines a control PPO run. Frozen; validated in ``__post_init__``.
@@ -44,9 +37,7 @@ class ControlConfig:
     num_epochs: passes over each batch.
     num_microbatches: parts each minibatch's gradient is accumulated over
       (`rljax.ppo.PPOConfig.num_microbatches`); must divide the segments per minibatch.
-      The same update up to floating-point reassociation. ``0`` (the default) chooses
-      (`microbatches_for`): on CPU, the fewest parts of at most `CPU_PART_TRANSITIONS`
-      transitions per device; elsewhere 1.
+      The same update up to floating-point reassociation.
     learning_rate: Adam step size.
     lr_schedule: ``"constant"``, ``"linear"`` (to 0 at the end) or ``"cosine"``.
     max_grad_norm: global gradient-norm clip (``None``: no clipping, as in Brax).
@@ -91,7 +82,7 @@ class ControlConfig:
   batch_size: int = 0
   num_minibatches: int = 8
   num_epochs: int = 4
-  num_microbatches: int = 0
+  num_microbatches: int = 1
   learning_rate: float = 3e-4
   lr_schedule: str = "constant"
   max_grad_norm: float | None = None
@@ -122,13 +113,13 @@ class ControlConfig:
   def __post_init__(self):
     positive_ints = (
         "num_timesteps", "num_envs", "unroll_length", "num_minibatches", "num_epochs",
-        "action_repeat", "num_evals", "num_eval_envs",
+        "num_microbatches", "action_repeat", "num_evals", "num_eval_envs",
     )  # fmt: skip
     for name in positive_ints:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}.")
-    for name in ("batch_size", "episode_length", "num_microbatches"):
+    for name in ("batch_size", "episode_length"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 0:
         raise ConfigError(f"{name} must be a non-negative integer, got {value!r}.")
@@ -171,7 +162,7 @@ class ControlConfig:
       raise ConfigError(
           f"batch_size={batch} is not divisible by num_minibatches={self.num_minibatches}."
       )
-    if self.num_microbatches and (batch // self.num_minibatches) % self.num_microbatches:
+    if (batch // self.num_minibatches) % self.num_microbatches:
       raise ConfigError(
           f"the {batch // self.num_minibatches} segments of a minibatch (batch_size={batch} / "
           f"num_minibatches={self.num_minibatches}) are not divisible by "
@@ -201,24 +192,8 @@ class ControlConfig:
         loss_aggregation=LossAggregation.TOKEN_MEAN,
         num_epochs=self.num_epochs,
         num_minibatches=self.num_minibatches,
-        num_microbatches=self.num_microbatches or 1,
+        num_microbatches=self.num_microbatches,
     )
-
-  def microbatches_for(self, backend: str, data_devices: int = 1) -> int:
-    """``num_microbatches``, or for ``0`` the automatic choice for ``backend``.
-
-    On CPU, the fewest parts (dividing a minibatch's segments) whose transitions per device,
-    ``segments / parts * unroll_length / data_devices``, are at most `CPU_PART_TRANSITIONS`;
-    1 on other backends, where one large product uses the device best.
-    """
-    if self.num_microbatches or backend != "cpu":
-      return self.num_microbatches or 1
-    segments = self.segments_per_iteration // self.num_minibatches
-    for parts in range(1, segments + 1):
-      if segments % parts == 0 and (
-          segments // parts * self.unroll_length <= CPU_PART_TRANSITIONS * data_devices):
-        return parts
-    return segments
 
   def to_json(self) -> str:
     return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)

@@ -204,18 +204,6 @@ class Trainer:
     env_state = jax.tree.map(lambda x: put(x, self._env_sharding(x)), env_state)
     return ts, env_state
 
-  @functools.cached_property
-  def ppo_config(self) -> ppo.PPOConfig:
-    """``config.ppo`` with ``num_microbatches`` resolved for this backend and mesh
-    (`ControlConfig.microbatches_for`)."""
-    c = self.config
-    data_devices = 1 if self.mesh is None else math.prod(
-        self.mesh.shape.get(a, 1) for a in ("data", "fsdp"))
-    backend = jax.default_backend() if self.mesh is None else (
-        self.mesh.devices.flat[0].platform)
-    return dataclasses.replace(
-        c.ppo, num_microbatches=c.microbatches_for(backend, data_devices))
-
   @property
   def env_steps_per_chunk(self) -> int:
     return self.iterations_per_chunk * self.config.env_steps_per_iteration
@@ -372,7 +360,7 @@ class Trainer:
         key_update,
         apply_fn=ppo_apply_fn(self.networks),
         optimizer=self.optimizer,
-        config=self.ppo_config,
+        config=c.ppo,
     )
     if c.normalize_observations:
       stats = running_stats.update(stats, data["obs"])
@@ -436,7 +424,7 @@ class Trainer:
     batch, finite_rewards, finite_obs = self._batch(params, stats, data)
     state, m = ppo.ppo_update(
         ppo.PPOState(params, opt_p), batch, key_update,
-        apply_fn=_policy_only_apply_fn(self.networks), optimizer=self.optimizer, config=self.ppo_config,
+        apply_fn=_policy_only_apply_fn(self.networks), optimizer=self.optimizer, config=c.ppo,
     )
     new_stats = running_stats.update(stats, data["obs"]) if c.normalize_observations else stats
     apply = finite_rewards & finite_obs & (m["nonfinite_steps"] == 0)
@@ -456,7 +444,7 @@ class Trainer:
     c = self.config
     state, m = ppo.ppo_update(
         ppo.PPOState(params_v, opt_v), batch, key_update,
-        apply_fn=_value_only_apply_fn(self.networks), optimizer=self.optimizer, config=self.ppo_config,
+        apply_fn=_value_only_apply_fn(self.networks), optimizer=self.optimizer, config=c.ppo,
     )
     # Skipped where the policy's update was (as the one-program guard skips both), or where
     # this update itself met a non-finite loss or gradient.
