@@ -6,6 +6,14 @@
 # local cluster of tests/test_distributed_slurm.py). Elsewhere it prints what to install.
 set -euo pipefail
 cd "$(dirname "$0")"
+# The interpreter: $PYTHON, else python3; rljax needs 3.11 or newer.
+PYTHON="${PYTHON:-python3}"
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  found=$("$PYTHON" -V 2>/dev/null) || found="not found"
+  echo "install.sh: rljax needs Python 3.11 or newer; $PYTHON: $found." \
+    "Run PYTHON=/path/to/python3.11 bash install.sh" >&2
+  exit 1
+fi
 SYSTEM_PACKAGES="libosmesa6 ffmpeg slurmctld slurmd slurm-client munge"
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   apt-get update -qq
@@ -13,7 +21,7 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
 else
   echo "install.sh: not root with apt-get; install these yourself if you need them: $SYSTEM_PACKAGES" >&2
 fi
-python3 -m venv .venv
+"$PYTHON" -m venv .venv
 . .venv/bin/activate
 # torch first: 2.13.0 is a CPU build here; transformers (a test-only reference) then reuses it.
 pip install torch==2.13.0
