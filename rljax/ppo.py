@@ -509,19 +509,20 @@ def _accumulated(loss_fn, config: PPOConfig):
     counts = tokens if by_tokens else jnp.ones((g,), jnp.float32)
     weights = counts / jnp.maximum(jnp.sum(counts), 1.0)
 
-    def part_sums(part, w, count, token_count):
+    def body(acc, xs):
+      part, w, count, token_count = xs
       (_, (loss, metrics)), grads = part_grad(params, part, w)
       sums = {k: wide(v) * (token_count if k in _TOKEN_MEAN_METRICS else count)
               for k, v in dict(metrics, loss=loss).items()}
-      return sums, jax.tree.map(wide, grads)
+      return jax.tree.map(jnp.add, acc, (sums, jax.tree.map(wide, grads))), None
 
-    def body(acc, xs):
-      return jax.tree.map(jnp.add, acc, part_sums(*xs)), None
-
-    first = jax.tree.map(lambda x: x[0], (parts, weights, counts, tokens))
-    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(part_sums, *first))
+    # One abstract evaluation gives the accumulators' (widened) and the results' dtypes.
+    first_part = jax.tree.map(lambda x: x[0], parts)
+    (_, (loss_shape, metric_shapes)), grad_shapes = jax.eval_shape(
+        part_grad, params, first_part, weights[0])
+    zeros = jax.tree.map(lambda x: wide(jnp.zeros(x.shape, x.dtype)),
+                         (dict(metric_shapes, loss=loss_shape), grad_shapes))
     (sums, grads), _ = jax.lax.scan(body, zeros, (parts, weights, counts, tokens))
-    (_, (loss_shape, metric_shapes)), _ = jax.eval_shape(part_grad, params, first[0], first[1])
     total, total_tokens = jnp.maximum(jnp.sum(counts), 1.0), jnp.maximum(jnp.sum(tokens), 1.0)
     metrics = {k: v / (total_tokens if k in _TOKEN_MEAN_METRICS else total)
                for k, v in sums.items()}

@@ -283,7 +283,7 @@ def make_update_fn(actor_graphdef, critic_graphdef, optimizer, config: RLHFConfi
   and the next step does not recompile.
   """
   pcfg = config.ppo
-  m = pcfg.num_minibatches * pcfg.num_microbatches  # the loss's row count: one part's
+  m = pcfg.num_minibatches * pcfg.num_microbatches  # chunks shaped like one loss part
 
   def actor_apply(params, mb):
     return modeling.policy_outputs(actor_graphdef, params, mb["prompt_tokens"], mb["prompt_mask"],
