@@ -38,6 +38,7 @@ _ENV = flags.DEFINE_string("env", "playground/CartpoleBalance", "Environment nam
 _NUM_ENVS = flags.DEFINE_integer("num_envs", 256, "Parallel environments.")
 _TIMESTEPS = flags.DEFINE_integer("num_timesteps", 1_500_000, "Timesteps of the identical-settings runs.")
 _OUT = flags.DEFINE_string("out", None, "Write the JSON result here.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the identical-settings runs (both trainers).")
 _SKIP_DEFAULT = flags.DEFINE_bool("skip_default", False, "Skip the rljax-default run.")
 _DEFAULT_TIMESTEPS = flags.DEFINE_integer(
     "default_num_timesteps", None,
@@ -67,7 +68,7 @@ def install_device_put_replicated_shim() -> None:
 
 # Identical settings, in Brax's terms. unroll_length follows the environment families'
 # published configs (Playground's DM Control: 30; Brax's ant: short unrolls).
-def identical_settings(env: str, num_envs: int, num_timesteps: int) -> dict:
+def identical_settings(env: str, num_envs: int, num_timesteps: int, seed: int = 0) -> dict:
   unroll = 10 if env.startswith("brax/") else 30
   return dict(
       num_timesteps=num_timesteps,
@@ -87,7 +88,7 @@ def identical_settings(env: str, num_envs: int, num_timesteps: int) -> dict:
       num_eval_envs=128,
       policy_hidden_layer_sizes=(32, 32, 32, 32),  # Brax's default networks
       value_hidden_layer_sizes=(256, 256, 256, 256, 256),
-      seed=0,
+      seed=seed,
   )
 
 
@@ -110,6 +111,8 @@ def rljax_config_from(env: str, s: dict, episode_length: int):
       clip_eps=s["clipping_epsilon"],
       reward_scaling=s["reward_scaling"],
       normalize_observations=s["normalize_observations"],
+      # Brax folds each rollout into its normaliser before the update that uses it.
+      obs_stats_before_update=True,
       num_evals=s["num_evals"],
       num_eval_envs=s["num_eval_envs"],
       policy_hidden=s["policy_hidden_layer_sizes"],
@@ -234,7 +237,7 @@ def main(argv):
 
   env_name = _ENV.value
   episode_length = envs.default_episode_length(env_name)
-  s = identical_settings(env_name, _NUM_ENVS.value, _TIMESTEPS.value)
+  s = identical_settings(env_name, _NUM_ENVS.value, _TIMESTEPS.value, _SEED.value)
   print(f"[{env_name}] identical settings: {s}", flush=True)
   ours = run_rljax(rljax_config_from(env_name, s, episode_length))
   print(f"  rljax (identical): {ours}", flush=True)

@@ -81,6 +81,8 @@ _HELP = {
     "policy_init_scale": "Variance scale of the policy's output layer (default 0.01: every state "
                          "starts at loc 0, std init_std; Brax's networks, brax/ant and "
                          "CheetahRun: 1).",
+    "obs_stats_before_update": "Fold each rollout's observations into the normaliser before "
+                               "that iteration's update, as Brax does (default false: after).",
     "overlap_value_update": "Update the value network on a second thread beside the next "
                             "rollout (same PPO up to rounding; default on for CheetahRun; one "
                             "process, one device, no max_grad_norm).",

@@ -48,6 +48,14 @@ class ControlConfig:
     entropy_coef: entropy bonus weight (``entropy_cost`` in Brax).
     reward_scaling: rewards are multiplied by this for training.
     normalize_observations: keep running observation statistics.
+    obs_stats_before_update: fold each rollout's observations into the statistics before
+      that iteration's update (Brax's order), so the update normalises its batch with
+      statistics that include it; the first minibatch's probability ratios then differ
+      from 1 by the normaliser's change. ``False`` (default) folds them in after the update.
+      Brax's order raised CheetahRun's final eval reward at Brax's settings and lowered
+      CheetahRun's and CartpoleBalance's at rljax's default settings (README,
+      ``benchmarks/README.md``, stop 22); the default also keeps the first minibatch's
+      ratios at exactly 1.
     normalize_advantages: whiten advantages per minibatch.
     policy_hidden / value_hidden / activation: network sizes.
     init_std: the policy's pre-tanh standard deviation where its scale output is 0
@@ -93,6 +101,7 @@ class ControlConfig:
   entropy_coef: float = 1e-2
   reward_scaling: float = 1.0
   normalize_observations: bool = True
+  obs_stats_before_update: bool = False
   normalize_advantages: bool = True
   policy_hidden: tuple[int, ...] = (32, 32, 32, 32)
   value_hidden: tuple[int, ...] = (256, 256, 256, 256, 256)
