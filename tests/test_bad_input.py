@@ -246,6 +246,32 @@ def test_preference_config_rejects_bad_step_counts_and_rates():
       pipeline.PreferenceConfig(**{name: bad})
 
 
+@pytest.mark.parametrize("module,cls", [("sft", "SFTConfig"), ("reward_model", "RewardModelConfig")])
+def test_sft_and_reward_model_configs_reject_bad_fields(module, cls):
+  """Both configs validate their shared optimizer and step fields the same way (one check,
+  ``rljax.alignment.sft.check_training_fields``), naming the value."""
+  import importlib
+
+  config = getattr(importlib.import_module(f"rljax.alignment.{module}"), cls)
+  cases = [
+      (dict(num_steps=0), r"^num_steps must be >= 1, got 0\.$"),
+      (dict(batch_size=-2), r"^batch_size must be >= 1, got -2\.$"),
+      (dict(log_every=0), r"^log_every must be >= 1, got 0\.$"),
+      (dict(learning_rate=float("nan")), r"^learning_rate must be > 0, got nan\.$"),
+      (dict(warmup_steps=-1), r"max_grad_norm > 0; got -1, 0\.0, 1\.0\.$"),
+      (dict(weight_decay=-0.1), r"max_grad_norm > 0; got 10, -0\.1, 1\.0\.$"),
+      (dict(max_grad_norm=0.0), r"max_grad_norm > 0; got 10, 0\.0, 0\.0\.$"),
+      (dict(length_buckets=(64, 32)), r"^length_buckets must be increasing ints >= 2, got \(64, 32\)\.$"),
+      (dict(length_buckets=()), r"^length_buckets must be increasing ints >= 2, got \(\)\.$"),
+  ]
+  for kwargs, message in cases:
+    with pytest.raises(ValueError, match=message):
+      config(**kwargs)
+  # Buckets given as a list (e.g. from a flag) are stored as a tuple of ints.
+  assert config(length_buckets=[8, 16.0]).length_buckets == (8, 16)
+  assert type(config(length_buckets=[8, 16.0]).length_buckets[1]) is int
+
+
 def test_verbose_shows_the_traceback(tmp_path, existing_run):
   script, args, message = _cases(tmp_path, existing_run)["malformed_json"]
   out = subprocess.run([sys.executable, _script(script), *args, "--verbose"],

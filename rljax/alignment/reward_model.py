@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 
 from rljax.alignment import losses, modeling
-from rljax.alignment.sft import DEFAULT_LENGTH_BUCKETS, make_optimizer
+from rljax.alignment.sft import DEFAULT_LENGTH_BUCKETS, check_training_fields, make_optimizer
 from rljax.envs.text import data as text_data
 from rljax.sampling import bucket_size
 
@@ -40,9 +40,13 @@ class RewardModelConfig:
     max_grad_norm: gradient clip (> 0).
     margin: Bradley-Terry margin ``m`` (>= 0).
     eval_fraction: held-out fraction of the pairs, in ``[0, 1)``.
-    length_buckets: padded lengths.
+    length_buckets: padded lengths, increasing, >= 2.
     seed: split and shuffle seed.
-    log_every: steps between records.
+    log_every: steps between records (> 0).
+
+  Raises:
+    ValueError: a field out of the range above, named with its value
+      (:func:`rljax.alignment.sft.check_training_fields`, ``margin``, ``eval_fraction``).
   """
 
   num_steps: int = 200
@@ -58,12 +62,8 @@ class RewardModelConfig:
   log_every: int = 10
 
   def __post_init__(self):
-    for name in ("num_steps", "batch_size", "log_every"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-    if not self.learning_rate > 0:
-      raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}.")
-    if self.margin < 0:
+    object.__setattr__(self, "length_buckets", check_training_fields(self))
+    if not self.margin >= 0:
       raise ValueError(f"margin must be >= 0, got {self.margin}.")
     if not 0 <= self.eval_fraction < 1:
       raise ValueError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}.")

@@ -62,6 +62,10 @@ class SFTConfig:
     pack_length: row length when packing (0: the largest length bucket).
     seed: data shuffle seed.
     log_every: steps between metric records.
+
+  Raises:
+    ValueError: a field out of the range above, named with its value
+      (:func:`check_training_fields`; ``pack_length`` 1 or negative).
   """
 
   num_steps: int = 200
@@ -78,19 +82,7 @@ class SFTConfig:
   log_every: int = 10
 
   def __post_init__(self):
-    for name in ("num_steps", "batch_size", "log_every"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-    if not self.learning_rate > 0:
-      raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}.")
-    if self.warmup_steps < 0 or self.weight_decay < 0 or not self.max_grad_norm > 0:
-      raise ValueError(
-          f"need warmup_steps >= 0, weight_decay >= 0, max_grad_norm > 0; got "
-          f"{self.warmup_steps}, {self.weight_decay}, {self.max_grad_norm}.")
-    b = tuple(int(x) for x in self.length_buckets)
-    if not b or list(b) != sorted(set(b)) or b[0] < 2:
-      raise ValueError(f"length_buckets must be increasing ints >= 2, got {self.length_buckets}.")
-    object.__setattr__(self, "length_buckets", b)
+    object.__setattr__(self, "length_buckets", check_training_fields(self))
     if self.pack_length < 0 or 0 < self.pack_length < 2:
       raise ValueError(f"pack_length must be 0 (largest bucket) or >= 2, got {self.pack_length}.")
 
@@ -102,6 +94,37 @@ class SFTState(NamedTuple):
   opt_state: Any
   step: int
   data_position: text_data.DataPosition
+
+
+def check_training_fields(config) -> tuple[int, ...]:
+  """Validates the fields :class:`SFTConfig` and ``RewardModelConfig`` share.
+
+  Args:
+    config: has ``num_steps``, ``batch_size``, ``log_every`` (ints), ``learning_rate``,
+      ``warmup_steps``, ``weight_decay``, ``max_grad_norm`` and ``length_buckets`` (ints).
+
+  Returns:
+    ``length_buckets`` as a tuple of Python ints, for the config to store.
+
+  Raises:
+    ValueError: naming the first bad field and its value: ``num_steps``, ``batch_size`` or
+      ``log_every`` < 1; ``learning_rate`` not > 0 (NaN included); ``warmup_steps`` < 0,
+      ``weight_decay`` not >= 0 or ``max_grad_norm`` not > 0; ``length_buckets`` empty, not
+      strictly increasing, or starting under 2.
+  """
+  for name in ("num_steps", "batch_size", "log_every"):
+    if getattr(config, name) < 1:
+      raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}.")
+  if not config.learning_rate > 0:
+    raise ValueError(f"learning_rate must be > 0, got {config.learning_rate}.")
+  if config.warmup_steps < 0 or not config.weight_decay >= 0 or not config.max_grad_norm > 0:
+    raise ValueError(
+        f"need warmup_steps >= 0, weight_decay >= 0, max_grad_norm > 0; got "
+        f"{config.warmup_steps}, {config.weight_decay}, {config.max_grad_norm}.")
+  b = tuple(int(x) for x in config.length_buckets)
+  if not b or list(b) != sorted(set(b)) or b[0] < 2:
+    raise ValueError(f"length_buckets must be increasing ints >= 2, got {config.length_buckets}.")
+  return b
 
 
 def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, weight_decay: float = 0.0,
