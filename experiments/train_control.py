@@ -62,7 +62,8 @@ _RESUME = flags.DEFINE_bool(
 _FIELD_FLAGS = {}
 _APG_FLAGS = {}
 _HELP = {
-    "num_timesteps": "Environment steps to train for.",
+    "num_timesteps": "Environment steps to train for, rounded up so that each of the "
+                     "num_evals - 1 training chunks runs the same whole number of iterations.",
     "num_envs": "Parallel environments.",
     "seed": "PRNG seed.",
     "batch_size": "Trajectory segments per iteration (multiple of num_envs; 0 = num_envs).",

@@ -28,7 +28,9 @@ class ControlConfig:
 
   Attributes:
     env: registry name, e.g. ``"playground/CartpoleBalance"``.
-    num_timesteps: environment steps to train for (after action repeat).
+    num_timesteps: environment steps to train for (after action repeat), rounded up so that
+      each of the ``num_evals - 1`` training chunks runs the same whole number of iterations
+      of ``env_steps_per_iteration`` steps.
     num_envs: parallel environments.
     unroll_length: steps per trajectory segment (``T``).
     batch_size: segments per iteration; a multiple of ``num_envs``, divisible by
