@@ -347,24 +347,23 @@ class Trainer:
     finite_obs = jnp.all(jnp.isfinite(data["obs"])) & jnp.all(jnp.isfinite(data["final_obs"]))
     return batch, finite_rewards, finite_obs
 
-  def _updated_stats(self, stats: running_stats.RunningStats, data, *, before_update: bool
-                     ) -> running_stats.RunningStats:
-    """``stats`` with the rollout's observations ``data["obs"]`` (``[N, T, obs]``) folded in,
-    where this call's place in the iteration (``before_update`` or after it) is the one
-    ``config.obs_stats_before_update`` asks for and observations are normalised; else
-    ``stats`` unchanged."""
+  def _fold_obs(self, stats: running_stats.RunningStats, data
+                ) -> tuple[running_stats.RunningStats, running_stats.RunningStats]:
+    """``(batch_stats, new_stats)``: the statistics the update normalises its batch with, and
+    the ones the iteration ends with (``stats`` with the rollout's ``data["obs"]``,
+    ``[N, T, obs]``, folded in where observations are normalised). ``batch_stats`` is
+    ``new_stats`` in Brax's order (``config.obs_stats_before_update``), else ``stats``."""
     c = self.config
-    if c.normalize_observations and c.obs_stats_before_update == before_update:
-      return running_stats.update(stats, data["obs"])
-    return stats
+    new_stats = running_stats.update(stats, data["obs"]) if c.normalize_observations else stats
+    return (new_stats if c.obs_stats_before_update else stats), new_stats
 
   def _iteration(self, carry, _):
     ts, env_state = carry
     c = self.config
     key, key_roll, key_update = jax.random.split(ts.key, 3)
     env_state, data = self._collect(ts.params, ts.obs_stats, env_state, key_roll)
-    stats = self._updated_stats(ts.obs_stats, data, before_update=True)
-    batch, finite_rewards, finite_obs = self._batch(ts.params, stats, data)
+    batch_stats, stats = self._fold_obs(ts.obs_stats, data)
+    batch, finite_rewards, finite_obs = self._batch(ts.params, batch_stats, data)
     state, update_metrics = ppo.ppo_update(
         ppo.PPOState(ts.params, ts.opt_state),
         batch,
@@ -373,7 +372,6 @@ class Trainer:
         optimizer=self.optimizer,
         config=c.ppo,
     )
-    stats = self._updated_stats(stats, data, before_update=False)
     # Non-finite guard (see ppo_update for loss and gradients): a rollout with a
     # non-finite reward or observation changes neither the parameters, the optimizer
     # state nor the normaliser.
@@ -431,13 +429,12 @@ class Trainer:
     c = self.config
     is_policy = _policy_mask(params_p)
     params = _select(is_policy, params_p, params_v)
-    new_stats = self._updated_stats(stats, data, before_update=True)
-    batch, finite_rewards, finite_obs = self._batch(params, new_stats, data)
+    batch_stats, new_stats = self._fold_obs(stats, data)
+    batch, finite_rewards, finite_obs = self._batch(params, batch_stats, data)
     state, m = ppo.ppo_update(
         ppo.PPOState(params, opt_p), batch, key_update,
         apply_fn=_policy_only_apply_fn(self.networks), optimizer=self.optimizer, config=c.ppo,
     )
-    new_stats = self._updated_stats(new_stats, data, before_update=False)
     apply = finite_rewards & finite_obs & (m["nonfinite_steps"] == 0)
     keep = functools.partial(_keep_where, apply)
     _add_data_metrics(m, data, finite_rewards, finite_obs)
