@@ -134,6 +134,12 @@ def _cases(tmp_path, existing, hf=None):
                                  "saved 7, now 150)"),
       "sft_steps_zero": ("train_rlhf.py", [f"--preference_data={good}", "--sft_steps=0", e],
                          "sft_steps must be >= 1, got 0"),
+      # --num_steps: one check shared by the one-stage scripts (rljax.alignment.flags).
+      "sft_num_steps_zero": ("train_sft.py", [f"--preference_data={good}", "--num_steps=0", e],
+                             "--num_steps must be >= 1, got 0"),
+      "rm_num_steps_negative": ("train_reward_model.py",
+                                [f"--preference_data={good}", "--num_steps=-3", e],
+                                "--num_steps must be >= 1, got -3"),
       "lr_not_positive": ("train_sft.py", [f"--preference_data={good}", "--lr=0", e],
                           "--lr must be > 0, got 0.0"),
       "rm_lr_without_data": ("train_rlhf.py", ["--rm_lr=1e-5", e],
@@ -174,7 +180,7 @@ def _cases(tmp_path, existing, hf=None):
 CASES = ["unknown_algo", "logdir_not_writable", "malformed_json", "invalid_utf8",
          "missing_rejected", "empty_dataset", "missing_file", "overlong_prompts_rejected",
          "tokenizer_exceeds_vocab", "config_mismatch", "config_mismatch_nested", "sft_steps_zero",
-         "lr_not_positive", "rm_lr_without_data", "rm_lr_in_sft", "critic_lr_without_critic",
+         "sft_num_steps_zero", "rm_num_steps_negative", "lr_not_positive", "rm_lr_without_data", "rm_lr_in_sft", "critic_lr_without_critic",
          "existing_run_without_resume",
          "checkpoint_every", "model_unsupported_type", "model_tensor_shape_mismatch",
          "model_missing_folder", "model_missing_config", "model_with_tokenizer",
@@ -267,6 +273,13 @@ def test_sft_and_reward_model_configs_reject_bad_fields(module, cls):
   for kwargs, message in cases:
     with pytest.raises(ValueError, match=message):
       config(**kwargs)
+  if cls == "SFTConfig":  # its own fields
+    for kwargs, message in ((dict(group_size=-1), r"^group_size must be >= 0 \(0 or 1: no "
+                             r"grouping\), got -1\.$"),
+                            (dict(pack_length=1), r"^pack_length must be 0 \(largest bucket\) or "
+                             r">= 2, got 1\.$")):
+      with pytest.raises(ValueError, match=message):
+        config(**kwargs)
   # Buckets given as a list (e.g. from a flag) are stored as a tuple of ints.
   assert config(length_buckets=[8, 16.0]).length_buckets == (8, 16)
   assert type(config(length_buckets=[8, 16.0]).length_buckets[1]) is int
@@ -337,3 +350,18 @@ def test_check_fits_divides_the_state_over_the_devices(real_checkpoint):
   ckpt.check_fits(str(real_checkpoint), num_devices=1, device_bytes=None)  # CPU: no limit
   with pytest.raises(ValueError, match="--device_memory_gb must be > 0, got 0.0"):
     ckpt.device_bytes_from_flag(0.0)
+
+
+@pytest.mark.parametrize("script", ["train_sft.py", "train_reward_model.py", "train_rlhf.py"])
+def test_help_lists_the_shared_flags(script):
+  """``--help`` shows the flags the scripts share (rljax.alignment.flags, the process flags,
+  ``--wandb``) beside each script's own, not only under ``--helpfull``."""
+  out = subprocess.run([sys.executable, _script(script), "--help"], capture_output=True,
+                       text=True, timeout=120)
+  assert "Traceback" not in out.stderr, out.stderr[-2000:]  # (absl's --help exits 1)
+  listed = {line.split(":")[0].strip() for line in out.stdout.splitlines()
+            if line.startswith("  --")}
+  for name in ("--preference_data", "--logdir", "--num_steps", "--seed", "--mesh",
+               "--sharding_rules", "--model", "--tokenizer", "--max_prompt_len",
+               "--coordinator_address", "--[no]wandb", "--[no]verbose"):
+    assert name in listed, (script, name, sorted(listed))

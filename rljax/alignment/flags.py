@@ -8,9 +8,13 @@ three scripts accept the same names with the same meanings.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from absl import flags
+
+from rljax import run_info
+from rljax.sharding import distributed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,3 +116,78 @@ def define_mesh_flags(mesh_help: str = "Device mesh D,F,T (data, fsdp, tensor si
       mesh=flags.DEFINE_string("mesh", None, mesh_help),
       sharding_rules=flags.DEFINE_string("sharding_rules", "fsdp", rules_help),
   )
+
+
+@dataclasses.dataclass(frozen=True)
+class StageFlags:
+  """The flags of a one-stage script (``train_sft.py``, ``train_reward_model.py``): data, output
+  folder, step count, pair limit, seed, ``--verbose``, devices, ``--wandb`` and `DataFlags`.
+
+  ``--coordinator_address`` and the other process flags are defined too
+  (``rljax.sharding.distributed.define_flags``).
+  """
+
+  preference_data: Any
+  logdir: Any
+  num_steps: Any
+  limit: Any
+  seed: Any
+  verbose: Any
+  wandb: Any
+  mesh: MeshFlags
+  data: DataFlags
+  logdir_prefix: str
+
+  def resolved_logdir(self, now: str) -> str:
+    """``--logdir``, or ``runs/<logdir_prefix>-<now>`` (``now`` e.g. ``"20261202-101500"``)."""
+    return self.logdir.value or os.path.join("runs", f"{self.logdir_prefix}-{now}")
+
+  def start(self):
+    """Joins the processes (the process flags; a no-op for one process outside SLURM) and
+    returns the placement of ``--mesh`` by ``--sharding_rules``
+    (``rljax.alignment.pipeline.make_placement``), checked before anything compiles.
+
+    Raises:
+      ValueError: an unknown ``--sharding_rules`` preset.
+      rljax.sharding.mesh.MeshError: a ``--mesh`` that does not fit the devices.
+    """
+    from rljax.alignment import pipeline
+
+    distributed.initialize_from_flags()
+    return pipeline.make_placement(self.mesh.mesh.value, self.mesh.sharding_rules.value)
+
+  def checked_num_steps(self) -> int | None:
+    """``--num_steps`` (None when not given).
+
+    Raises:
+      ValueError: ``--num_steps`` < 1.
+    """
+    steps = self.num_steps.value
+    if steps is not None and steps < 1:
+      raise ValueError(f"--num_steps must be >= 1, got {steps}")
+    return steps
+
+
+def define_stage_flags(*, logdir_prefix: str, data_help: str, steps_help: str) -> StageFlags:
+  """Defines ``--preference_data`` (help ``data_help``), ``--logdir`` (default
+  ``runs/<logdir_prefix>-<time>``), ``--num_steps`` (help ``steps_help``), ``--limit``,
+  ``--seed``, ``--verbose``, the mesh flags (`define_mesh_flags`), the process flags, ``--wandb``
+  and the data flags (`define_data_flags`); call once, at a script's module level."""
+  out = StageFlags(
+      preference_data=flags.DEFINE_string("preference_data", None, data_help),
+      logdir=flags.DEFINE_string(
+          "logdir", None, f"Output directory (default runs/{logdir_prefix}-<time>)."),
+      num_steps=flags.DEFINE_integer("num_steps", None, steps_help),
+      limit=flags.DEFINE_integer("limit", None, "Read at most this many pairs."),
+      seed=flags.DEFINE_integer("seed", 0, "Seed."),
+      verbose=flags.DEFINE_bool("verbose", False, "Print tracebacks for user errors."),
+      # Devices (rljax.alignment.pipeline.make_placement): the model trains on --mesh by
+      # --sharding_rules.
+      mesh=define_mesh_flags(),
+      wandb=run_info.define_wandb_flag(),
+      # Preference data: prompt budget, tokenizer, --model.
+      data=define_data_flags(),
+      logdir_prefix=logdir_prefix,
+  )
+  distributed.define_flags()
+  return out

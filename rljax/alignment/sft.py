@@ -65,7 +65,7 @@ class SFTConfig:
 
   Raises:
     ValueError: a field out of the range above, named with its value
-      (:func:`check_training_fields`; ``pack_length`` 1 or negative).
+      (:func:`check_training_fields`; ``group_size`` negative; ``pack_length`` 1 or negative).
   """
 
   num_steps: int = 200
@@ -83,6 +83,8 @@ class SFTConfig:
 
   def __post_init__(self):
     object.__setattr__(self, "length_buckets", check_training_fields(self))
+    if self.group_size < 0:
+      raise ValueError(f"group_size must be >= 0 (0 or 1: no grouping), got {self.group_size}.")
     if self.pack_length < 0 or 0 < self.pack_length < 2:
       raise ValueError(f"pack_length must be 0 (largest bucket) or >= 2, got {self.pack_length}.")
 

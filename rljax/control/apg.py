@@ -535,20 +535,10 @@ class APGTrainer:
     n_steps = self.episode_length // c.action_repeat
 
     def run(params, obs_stats, key):
-      state = self.eval_env.reset(jax.random.split(key, c.num_eval_envs))
-
-      def step(state, _):
-        action = deterministic_action(networks, params, obs_stats, state.obs)
-        return self.eval_env.step(state, action), ()
-
-      state, _ = jax.lax.scan(step, state, None, length=n_steps)
-      m = state.info["eval_metrics"]
-      rewards = m.episode_metrics["reward"]
-      return {
-          "eval/episode_reward": jnp.mean(rewards),
-          "eval/episode_reward_std": jnp.std(rewards),
-          "eval/episode_length": jnp.mean(m.episode_steps),
-      }
+      return ppo_trainer.run_eval_episodes(
+          self.eval_env, jax.random.split(key, c.num_eval_envs),
+          lambda obs, _: deterministic_action(networks, params, obs_stats, obs),
+          num_steps=n_steps)
 
     return jax.jit(run, compiler_options=runtime.control_compiler_options())
 

@@ -498,24 +498,47 @@ class Trainer:
 
     def run(params, obs_stats, key):
       key_reset, key_act = jax.random.split(key)
-      state = self.eval_env.reset(jax.random.split(key_reset, c.num_eval_envs))
 
-      def step(state, k):
-        obs_n = running_stats.normalize(obs_stats, state.obs)
-        loc, scale = policy_apply(networks, params, obs_n)
-        u = loc if c.deterministic_eval else mlp.sample_pre_tanh(k, loc, scale)
-        return self.eval_env.step(state, jnp.tanh(u)), ()
+      def act(obs, k):
+        loc, scale = policy_apply(networks, params, running_stats.normalize(obs_stats, obs))
+        return jnp.tanh(loc if c.deterministic_eval else mlp.sample_pre_tanh(k, loc, scale))
 
-      state, _ = jax.lax.scan(step, state, jax.random.split(key_act, n_steps))
-      eval_metrics = state.info["eval_metrics"]
-      rewards = eval_metrics.episode_metrics["reward"]
-      return {
-          "eval/episode_reward": jnp.mean(rewards),
-          "eval/episode_reward_std": jnp.std(rewards),
-          "eval/episode_length": jnp.mean(eval_metrics.episode_steps),
-      }
+      return run_eval_episodes(self.eval_env, jax.random.split(key_reset, c.num_eval_envs), act,
+                               jax.random.split(key_act, n_steps))
 
     return jax.jit(run, compiler_options=runtime.control_compiler_options())
+
+
+def run_eval_episodes(eval_env, reset_keys: Array, act: Callable[[Array, Any], Array],
+                      step_keys: Array | None = None, *, num_steps: int | None = None
+                      ) -> dict[str, Array]:
+  """One episode per environment of a Brax ``EvalWrapper``-wrapped env, traced in ``lax.scan``.
+
+  Args:
+    eval_env: wrapped with ``brax.envs.wrappers.training.EvalWrapper`` (over the episode and
+      action-repeat wrappers), so that ``state.info["eval_metrics"]`` holds each episode's
+      return and length, frozen at its first ``done``.
+    reset_keys: ``[E, 2]`` uint32 PRNG keys, one per environment.
+    act: ``(obs [E, D] f32, key or None) -> action [E, A]`` f32 in ``[-1, 1]``.
+    step_keys: ``[T, 2]`` keys, one per step, passed to ``act``; None: ``act`` gets None and
+      ``num_steps`` gives ``T``.
+    num_steps: ``T`` (steps after action repeat) when ``step_keys`` is None.
+
+  Returns:
+    f32 scalars ``eval/episode_reward`` (mean undiscounted return), ``eval/episode_reward_std``
+    and ``eval/episode_length`` (mean steps).
+  """
+  def step(state, k):
+    return eval_env.step(state, act(state.obs, k)), ()
+
+  state, _ = jax.lax.scan(step, eval_env.reset(reset_keys), step_keys, length=num_steps)
+  eval_metrics = state.info["eval_metrics"]
+  rewards = eval_metrics.episode_metrics["reward"]
+  return {
+      "eval/episode_reward": jnp.mean(rewards),
+      "eval/episode_reward_std": jnp.std(rewards),
+      "eval/episode_length": jnp.mean(eval_metrics.episode_steps),
+  }
 
 
 @contextlib.contextmanager
