@@ -19,7 +19,6 @@ from absl import app, flags
 
 from rljax import run_info, runtime
 from rljax.alignment import flags as alignment_flags
-from rljax.sharding import distributed
 
 # --preference_data, --logdir, --num_steps, --limit, --seed, --verbose, --mesh,
 # --sharding_rules, process flags, --wandb, and the data flags (rljax.alignment.flags).
@@ -27,9 +26,6 @@ _F = alignment_flags.define_stage_flags(
     logdir_prefix="rm", steps_help="Reward-model steps.",
     data_help="HH-RLHF or {prompt,chosen,rejected} JSONL(.gz). Required.")
 _MARGIN = flags.DEFINE_float("margin", None, "Bradley-Terry margin.")
-# --help lists the shared flags beside the script's own.
-for _module in (alignment_flags, distributed, run_info):
-  flags.adopt_module_key_flags(_module)
 
 
 def main(argv):

@@ -101,9 +101,6 @@ _PPS = flags.DEFINE_integer("prompts_per_step", None, "Prompts per RL step.")
 
 # Preference data: prompt budget, tokenizer, --model (rljax.alignment.flags).
 _DATA_FLAGS = alignment_flags.define_data_flags()
-# --help lists the shared flags beside the script's own.
-for _module in (alignment_flags, distributed, run_info):
-  flags.adopt_module_key_flags(_module)
 
 
 def rl_overrides() -> dict:

@@ -12,20 +12,16 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from absl import app, flags
+from absl import app
 
 from rljax import run_info, runtime
 from rljax.alignment import flags as alignment_flags
-from rljax.sharding import distributed
 
 # --preference_data, --logdir, --num_steps, --limit, --seed, --verbose, --mesh,
 # --sharding_rules, process flags, --wandb, and the data flags (rljax.alignment.flags).
 _F = alignment_flags.define_stage_flags(
     logdir_prefix="sft", steps_help="SFT steps.",
     data_help="HH-RLHF or {prompt,chosen,rejected} JSONL(.gz); default: embedded task.")
-# --help lists the shared flags beside the script's own.
-for _module in (alignment_flags, distributed, run_info):
-  flags.adopt_module_key_flags(_module)
 
 
 def main(argv):

@@ -298,6 +298,9 @@ def define_device_memory_flag():
   """Defines the absl flag ``--device_memory_gb`` (used by :func:`check_fits` on resume)."""
   from absl import flags
 
+  # The flag belongs to the calling script (absl then lists it in the script's --help).
+  flags.disclaim_key_flags()
+
   return flags.DEFINE_float(
       "device_memory_gb", None, "Memory of one device in GiB, checked before a resume restores "
       "a checkpoint (default: the limit the device reports; CPU reports none, so no check).")

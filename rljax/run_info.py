@@ -139,6 +139,9 @@ def define_wandb_flag():
   """Defines the absl flag ``--wandb`` (default off) and returns its holder."""
   from absl import flags
 
+  # The flag belongs to the calling script (absl then lists it in the script's --help).
+  flags.disclaim_key_flags()
+
   return flags.DEFINE_bool(
       "wandb", False,
       "Also log metrics to Weights & Biases, offline, under <logdir>/wandb "

@@ -241,6 +241,9 @@ def define_flags() -> None:
   ``--heartbeat_timeout_s`` absl flags (idempotent)."""
   from absl import flags
 
+  # The flags belong to the calling script (absl then lists them in the script's --help).
+  flags.disclaim_key_flags()
+
   if _FLAGS:
     return
   _FLAGS["coordinator_address"] = flags.DEFINE_string(

@@ -16,6 +16,10 @@ from absl import flags
 from rljax import run_info
 from rljax.sharding import distributed
 
+# The flags the functions below define belong to the script that calls them, so absl lists
+# them in that script's --help beside its own.
+flags.disclaim_key_flags()
+
 
 @dataclasses.dataclass(frozen=True)
 class DataFlags:
