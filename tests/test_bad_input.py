@@ -180,7 +180,8 @@ def _cases(tmp_path, existing, hf=None):
 CASES = ["unknown_algo", "logdir_not_writable", "malformed_json", "invalid_utf8",
          "missing_rejected", "empty_dataset", "missing_file", "overlong_prompts_rejected",
          "tokenizer_exceeds_vocab", "config_mismatch", "config_mismatch_nested", "sft_steps_zero",
-         "sft_num_steps_zero", "rm_num_steps_negative", "lr_not_positive", "rm_lr_without_data", "rm_lr_in_sft", "critic_lr_without_critic",
+         "sft_num_steps_zero", "rm_num_steps_negative", "lr_not_positive", "rm_lr_without_data",
+         "rm_lr_in_sft", "critic_lr_without_critic",
          "existing_run_without_resume",
          "checkpoint_every", "model_unsupported_type", "model_tensor_shape_mismatch",
          "model_missing_folder", "model_missing_config", "model_with_tokenizer",
@@ -270,16 +271,14 @@ def test_sft_and_reward_model_configs_reject_bad_fields(module, cls):
       (dict(length_buckets=(64, 32)), r"^length_buckets must be increasing ints >= 2, got \(64, 32\)\.$"),
       (dict(length_buckets=()), r"^length_buckets must be increasing ints >= 2, got \(\)\.$"),
   ]
+  if cls == "SFTConfig":  # its own fields
+    cases += [
+        (dict(group_size=-1), r"^group_size must be >= 0 \(0 or 1: no grouping\), got -1\.$"),
+        (dict(pack_length=1), r"^pack_length must be 0 \(largest bucket\) or >= 2, got 1\.$"),
+    ]
   for kwargs, message in cases:
     with pytest.raises(ValueError, match=message):
       config(**kwargs)
-  if cls == "SFTConfig":  # its own fields
-    for kwargs, message in ((dict(group_size=-1), r"^group_size must be >= 0 \(0 or 1: no "
-                             r"grouping\), got -1\.$"),
-                            (dict(pack_length=1), r"^pack_length must be 0 \(largest bucket\) or "
-                             r">= 2, got 1\.$")):
-      with pytest.raises(ValueError, match=message):
-        config(**kwargs)
   # Buckets given as a list (e.g. from a flag) are stored as a tuple of ints.
   assert config(length_buckets=[8, 16.0]).length_buckets == (8, 16)
   assert type(config(length_buckets=[8, 16.0]).length_buckets[1]) is int
