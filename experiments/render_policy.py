@@ -35,6 +35,7 @@ _VERBOSE = flags.DEFINE_bool("verbose", False, "Print tracebacks for user errors
 
 def main(argv):
   del argv
+  runtime.configure_logging(_VERBOSE.value)
 
   def run():
     import jax

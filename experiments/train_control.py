@@ -67,12 +67,31 @@ _HELP = {
     "num_envs": "Parallel environments.",
     "seed": "PRNG seed.",
     "batch_size": "Trajectory segments per iteration (multiple of num_envs; 0 = num_envs).",
+    "unroll_length": "Steps per trajectory segment (T).",
     "num_minibatches": "Minibatches per epoch.",
     "num_epochs": "Passes over each batch (Brax's num_updates_per_batch).",
     "num_microbatches": "Gradient accumulation: parts each minibatch's gradient is computed "
                         "over, one at a time (default 1; must divide a minibatch's segments; "
                         "same update up to rounding).",
     "learning_rate": "Adam learning rate.",
+    "lr_schedule": "Learning-rate schedule: constant, linear (to 0 at the end) or cosine.",
+    "max_grad_norm": "Global gradient-norm clip (default none, as in Brax).",
+    "vf_coef": "Value loss weight.",
+    "reward_scaling": "Rewards are multiplied by this for training.",
+    "normalize_observations": "Keep running observation statistics and normalise with them.",
+    "normalize_advantages": "Whiten advantages per minibatch.",
+    "policy_hidden": "Policy network hidden layer sizes, e.g. 32,32,32,32.",
+    "value_hidden": "Value network hidden layer sizes, e.g. 256,256,256,256,256.",
+    "activation": "Hidden-layer activation: swish, relu, tanh or elu.",
+    "episode_length": "Steps per episode (time limit; 0 = the environment's default).",
+    "action_repeat": "Physics steps per action.",
+    "num_evals": "Evaluations over the run, the first at step 0 (num_evals - 1 training "
+                 "chunks, a checkpoint after each).",
+    "num_eval_envs": "Environments per evaluation, one full episode each.",
+    "deterministic_eval": "Evaluate the mean action tanh(loc) instead of sampling.",
+    "keep_checkpoints": "Checkpoints kept (the newest).",
+    "nonfinite": "A non-finite reward, observation, loss or gradient: skip (skip that update, "
+                 "warn) or halt (also stop after checkpointing the last finite state).",
     "entropy_coef": "Entropy bonus weight.",
     "gamma": "Discount factor.",
     "gae_lambda": "GAE lambda.",
@@ -243,6 +262,9 @@ def main(argv):
     except trainer.NonFiniteHalt as e:
       print(f"error: {e}", file=sys.stderr)
       return 3
+    if not result.history:  # a finished run whose metrics.jsonl is gone
+      print(f"{config.env}: no evaluation records in {logdir}/metrics.jsonl")
+      return 0
     final = result.history[-1]
     print(
         f"{config.env}: final eval episode reward {final['eval/episode_reward']:.1f} "

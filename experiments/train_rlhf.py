@@ -1,6 +1,6 @@
 r"""RLHF: SFT -> (reward model) -> RL with PPO, GRPO, RLOO or REINFORCE++.
 
-    python experiments/train_rlhf.py                      # embedded default, < 10 min on 2 CPUs
+    python experiments/train_rlhf.py                      # embedded default, ~2.5 min on 2 CPUs
     python experiments/train_rlhf.py --algo=grpo
     python experiments/train_rlhf.py --preference_data=../shared/data/hh-rlhf-harmless-base-test.jsonl.gz
     python experiments/train_rlhf.py --preference_data=PATH --model=HF_FOLDER  # pretrained start

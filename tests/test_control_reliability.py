@@ -114,10 +114,26 @@ def _truncate_largest_file(directory):
   return target
 
 
-def test_truncated_newest_checkpoint_falls_back_to_previous(tmp_path):
+def test_finished_run_reruns_as_a_no_op_and_truncated_newest_checkpoint_falls_back(tmp_path):
   config = ControlConfig(**dict(SETTINGS, num_timesteps=3 * 2 * 16 * 8, num_evals=4))
   logdir = str(tmp_path / "run")
   done = trainer.train(config, logdir, progress=False)
+  assert [h["step"] for h in done.history] == [0, 1, 2, 3]
+  # The same command again, after the end: nothing trains or compiles, the logs stay as
+  # they were, and the result is the finished run's (state and every record).
+  files = sorted(os.listdir(logdir))
+  with open(os.path.join(logdir, "metrics.jsonl")) as f:
+    jsonl = f.read()
+  lines = []
+  again = trainer.train(config, logdir, progress=False, log=lines.append)
+  assert again.resumed_from == 3 and again.num_compiled == 0, lines
+  assert any("has finished all 3 chunks" in l and "nothing left to train" in l for l in lines)
+  assert sorted(os.listdir(logdir)) == files  # no new TensorBoard file
+  with open(os.path.join(logdir, "metrics.jsonl")) as f:
+    assert f.read() == jsonl
+  assert again.history == done.history
+  _assert_bitwise_equal(jax.tree.leaves(jax.device_get(again.train_state)),
+                        jax.tree.leaves(jax.device_get(done.train_state)))
   _truncate_largest_file(os.path.join(logdir, "checkpoints", "3", "train_state"))
   # Corrupt the policy of chunk 3 too, then resume: chunk 3 must be reported and
   # skipped, chunk 2 restored, and chunk 3 redone to the same result.

@@ -630,7 +630,12 @@ def make_trainer(
 
 
 class TrainResult(NamedTuple):
-  """What `train` returns: final state, the evaluation history and wall times."""
+  """What `train` returns: final state, the evaluation history and wall times.
+
+  ``history`` holds one record per evaluation (``step``, ``env_steps``, ``eval/...``, losses,
+  timings) of the whole run: after a resume, the records logged before it come first (read
+  back from ``metrics.jsonl``; none if that file is gone).
+  """
 
   train_state: TrainState
   history: list[dict[str, float]]
@@ -888,6 +893,24 @@ def _truncate_jsonl(path: str, last_step: int) -> None:
   ckpt.truncate_jsonl(path, last_step)
 
 
+def _newest_step(logdir: str) -> int | None:
+  """The newest step folder under ``<logdir>/checkpoints`` (readable or not), or None."""
+  path = ckpt.checkpoint_dir(logdir)
+  steps = [int(d) for d in os.listdir(path) if d.isdigit()] if os.path.isdir(path) else []
+  return max(steps, default=None)
+
+
+def _logged_history(logdir: str, last_step: int) -> list[dict[str, float]]:
+  """``metrics.jsonl``'s records up to ``last_step``, as `train` returns them (floats;
+  ``"nan"``/``"inf"`` strings back to floats); [] without the file."""
+  path = os.path.join(logdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  as_value = lambda k, v: int(v) if k in ("step", "env_steps") else float(v)
+  return [{k: as_value(k, v) for k, v in r.items()} for r in metrics_lib.read_jsonl(path)
+          if r["step"] <= last_step]
+
+
 _SigtermFlag = ckpt.SigtermFlag
 
 
@@ -948,16 +971,23 @@ def train(
   # CartpoleBalance at Brax's settings, 2 cores.) The jitted functions then reuse the
   # executables (a call with other shapes or shardings would compile again;
   # tests/test_control.py counts compilations).
+  # A run whose newest checkpoint is its last chunk has nothing left to train, so nothing is
+  # compiled ahead (if that checkpoint turns out unreadable, the chunk restored instead
+  # compiles on its first call).
+  finished = use_ckpt and resume and _newest_step(logdir) == trainer.num_chunks
   eval_key = jax.random.PRNGKey(config.seed + 10_000)
-  compile_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="rljax-compile")
-  abstract_ts, abstract_env = trainer.abstract_state(params)  # the reset's one trace
-  chunk_compiled = compile_pool.submit(
-      trainer.train_chunk.lower(abstract_ts, abstract_env).compile)
-  eval_compiled = compile_pool.submit(
-      trainer.evaluate.lower(abstract_ts.params, abstract_ts.obs_stats,
-                             jax.eval_shape(lambda: eval_key)).compile)
-  compile_pool.shutdown(wait=False)
+  chunk_compiled = eval_compiled = None
+  if not finished:
+    compile_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="rljax-compile")
+    abstract_ts, abstract_env = trainer.abstract_state(params)  # the reset's one trace
+    chunk_compiled = compile_pool.submit(
+        trainer.train_chunk.lower(abstract_ts, abstract_env).compile)
+    eval_compiled = compile_pool.submit(
+        trainer.evaluate.lower(abstract_ts.params, abstract_ts.obs_stats,
+                               jax.eval_shape(lambda: eval_key)).compile)
+    compile_pool.shutdown(wait=False)
   ts, env_state = trainer.init(params)
+  history: list[dict[str, float]] = []
   env_steps, start_chunk, resumed_from = 0, 0, None
   manager = None
   if use_ckpt:
@@ -977,17 +1007,21 @@ def train(
       ts, env_state = trainer.place(ts, env_state)
       env_steps = int(train_item["env_steps"])
       resumed_from = start_chunk
-      log(f"resuming {logdir} after chunk {start_chunk} ({env_steps:,} env steps)")
+      if start_chunk < trainer.num_chunks:
+        log(f"resuming {logdir} after chunk {start_chunk} ({env_steps:,} env steps)")
+      else:
+        log(f"{logdir} has finished all {start_chunk} chunks ({env_steps:,} env steps): "
+            f"nothing left to train")
       _truncate_jsonl(os.path.join(logdir, "metrics.jsonl"), start_chunk)
+      history = _logged_history(logdir, start_chunk)
 
   writer = None
-  if logdir is not None:
+  if logdir is not None and start_chunk < trainer.num_chunks:
     writer = metrics_lib.MetricsWriter(
         logdir,
         total=trainer.num_chunks * trainer.env_steps_per_chunk if progress else None,
         console_keys=("eval/episode_reward", "sps"),
     )
-  history: list[dict[str, float]] = []
 
   def log_record(chunk: int, m: dict[str, Any], env_steps: int):
     record = {k: float(v) for k, v in m.items()}
@@ -1003,8 +1037,9 @@ def train(
   # Both compiles finish before anything runs. (Starting chunk 1 while the evaluation still
   # compiled made a 300k-step CartpoleBalance run 2 s slower on 2 cores: the compile takes a
   # core from the chunk's parallel matmuls.)
-  eval_compiled.result()
-  if start_chunk < trainer.num_chunks:
+  if eval_compiled is not None:
+    eval_compiled.result()
+  if chunk_compiled is not None and start_chunk < trainer.num_chunks:
     chunk_compiled.result()
   # Seconds from the start until both are compiled (environment build and reset overlap).
   compile_s = time.perf_counter() - t_start
