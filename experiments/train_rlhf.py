@@ -71,11 +71,10 @@ _CACHE = flags.DEFINE_bool("compilation_cache", True, "Use JAX's persistent comp
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Print tracebacks for user errors.")
 _WANDB = run_info.define_wandb_flag()
 # Devices: mesh, rules, role placement (rljax.alignment.pipeline.make_placement), processes.
-_MESH = flags.DEFINE_string(
-    "mesh", None, "Device mesh D,F,T (data, fsdp, tensor sizes). colocated: over all devices "
-    "(default: all on data); disaggregated: the training mesh, the other devices generate.")
-_RULES = flags.DEFINE_string("sharding_rules", "fsdp",
-                             "Training sharding preset: fsdp, fsdp_tp or dp (rljax.sharding.rules).")
+_MESH_FLAGS = alignment_flags.define_mesh_flags(
+    mesh_help="Device mesh D,F,T (data, fsdp, tensor sizes). colocated: over all devices "
+    "(default: all on data); disaggregated: the training mesh, the other devices generate.",
+    rules_help="Training sharding preset: fsdp, fsdp_tp or dp (rljax.sharding.rules).")
 _PLACEMENT = flags.DEFINE_string(
     "placement", "colocated", "colocated (all roles on one mesh; the actor is resharded from the "
     "training layout to tp for generation) or disaggregated (generation on separate devices).")
@@ -167,8 +166,9 @@ def main(argv):
     if _CRITIC_LR.value is not None and _ALGO.value != "ppo":
       raise ValueError(f"--critic_lr applies to --algo=ppo only ({_ALGO.value} has no critic)")
     check_checkpoint_flags()
-    placement = pipeline.make_placement(_MESH.value, _RULES.value, _PLACEMENT.value,
-                                        offload_frozen=_OFFLOAD.value)
+    placement = pipeline.make_placement(
+        _MESH_FLAGS.mesh.value, _MESH_FLAGS.sharding_rules.value, _PLACEMENT.value,
+        offload_frozen=_OFFLOAD.value)
     logdir = _LOGDIR.value or os.path.join(
         "runs", f"rlhf-{_ALGO.value}-{time.strftime('%Y%m%d-%H%M%S')}")
     overrides = rl_overrides()

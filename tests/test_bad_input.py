@@ -116,6 +116,12 @@ def _cases(tmp_path, existing, hf=None):
       "empty_dataset": ("train_rlhf.py", [f"--preference_data={empty}",
                                            f"--logdir={tmp_path}/new"],
                         "empty.jsonl: empty dataset"),
+      "data_is_a_directory": ("train_rlhf.py", [f"--preference_data={tmp_path}",
+                                                 f"--logdir={tmp_path}/new"],
+                              f"{tmp_path} is a directory; expected a .jsonl or .jsonl.gz file "
+                              f"(it holds bad.jsonl, empty.jsonl, good.jsonl"),
+      "limit_zero": ("train_sft.py", [f"--preference_data={good}", "--limit=0", e],
+                     "limit (--limit) must be >= 1 pairs, got 0"),
       "missing_file": ("train_reward_model.py", [f"--preference_data={tmp_path}/nope.jsonl", e],
                        "does not exist"),
       "overlong_prompts_rejected": (
@@ -178,8 +184,8 @@ def _cases(tmp_path, existing, hf=None):
 
 
 CASES = ["unknown_algo", "logdir_not_writable", "malformed_json", "invalid_utf8",
-         "missing_rejected", "empty_dataset", "missing_file", "overlong_prompts_rejected",
-         "tokenizer_exceeds_vocab", "config_mismatch", "config_mismatch_nested", "sft_steps_zero",
+         "missing_rejected", "empty_dataset", "data_is_a_directory", "limit_zero",
+         "missing_file", "overlong_prompts_rejected", "tokenizer_exceeds_vocab", "config_mismatch", "config_mismatch_nested", "sft_steps_zero",
          "sft_num_steps_zero", "rm_num_steps_negative", "lr_not_positive", "rm_lr_without_data",
          "rm_lr_in_sft", "critic_lr_without_critic",
          "existing_run_without_resume",
@@ -221,7 +227,7 @@ def test_resume_check_compares_nested_fields_and_implies_class_defaults(tmp_path
   now = checkpointing.config_to_json(cfg)
   old = json.loads(json.dumps(now))
   del old["rl"]["ppo"]["vf_coef"], old["num_eval_prompts"]  # "added later"
-  (tmp_path / "checkpoints").mkdir()
+  (tmp_path / "checkpoints" / "1").mkdir(parents=True)  # a saved step: the config binds
   (tmp_path / "checkpoints" / "config.json").write_text(json.dumps({"rlhf_embedded": old}))
   prepare = functools.partial(checkpointing.prepare, str(tmp_path), "rlhf_embedded",
                               resume=True, defaults=defaults)
@@ -282,6 +288,27 @@ def test_sft_and_reward_model_configs_reject_bad_fields(module, cls):
   # Buckets given as a list (e.g. from a flag) are stored as a tuple of ints.
   assert config(length_buckets=[8, 16.0]).length_buckets == (8, 16)
   assert type(config(length_buckets=[8, 16.0]).length_buckets[1]) is int
+
+
+def test_config_of_a_run_that_saved_nothing_does_not_bind_the_retry(tmp_path):
+  """A run stopped by bad input after writing its config (e.g. --overlong_prompts=reject)
+  leaves no state: the corrected command, with another config, starts afresh in the same
+  logdir. Once there is state (a step checkpoint or the frozen roles), a config mismatch is
+  refused as before."""
+  from rljax.alignment import checkpointing
+
+  logdir = str(tmp_path / "run")
+  saved = {"overlong_prompts": "reject", "sft_steps": 7}
+  now = {"overlong_prompts": "truncate", "sft_steps": 7}
+  assert checkpointing.prepare(logdir, "rlhf_preference", saved, resume=True) is False
+  assert checkpointing.prepare(logdir, "rlhf_preference", now, resume=True) is False
+  with open(os.path.join(logdir, "checkpoints", "config.json")) as f:
+    assert json.load(f) == {"rlhf_preference": now}
+  os.makedirs(os.path.join(logdir, "checkpoints", "2"))
+  with pytest.raises(ValueError, match="overlong_prompts: saved 'truncate', now 'reject'"):
+    checkpointing.prepare(logdir, "rlhf_preference", saved, resume=True)
+  with pytest.raises(ValueError, match="already holds an RLHF run"):
+    checkpointing.prepare(logdir, "rlhf_preference", now, resume=False)
 
 
 def test_verbose_shows_the_traceback(tmp_path, existing_run):

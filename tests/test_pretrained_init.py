@@ -143,7 +143,7 @@ def test_train_rlhf_with_model_starts_from_the_pretrained_rates(hf_folder, tmp_p
   path = tmp_path / "hh.jsonl"
   path.write_text("\n".join(hh_lines()) + "\n")
   logdir = tmp_path / "run"
-  (logdir / "checkpoints").mkdir(parents=True)
+  (logdir / "checkpoints" / "1").mkdir(parents=True)  # a saved step: the config binds
   saved = dict(checkpointing.config_to_json(pipeline.PreferenceConfig()), data=str(path))
   (logdir / "checkpoints" / "config.json").write_text(json.dumps({"rlhf_preference": saved}))
   out = subprocess.run(
@@ -163,6 +163,45 @@ def test_tokenizer_with_model_is_refused():
     pipeline.PreferenceConfig(model="m", tokenizer="t")
 
 
+def test_sft_stage_exports_the_trained_model_for_transformers(tmp_path, monkeypatch):
+  """run_preference from scratch (BPE tokenizer, tiny pre-training and SFT), stop_after="sft":
+  ``<logdir>/hf_model`` holds the SFT-trained model, whose logits in ``transformers`` equal
+  rljax's, and the run's tokenizer, which ``transformers`` encodes with identically."""
+  import torch
+  import transformers
+
+  path = tmp_path / "hh.jsonl"
+  path.write_text("\n".join(hh_lines()) + "\n")
+  trained = []
+  real_train_sft = pipeline.sft.train_sft
+
+  def keep_model(*args, **kw):
+    out = real_train_sft(*args, **kw)
+    trained.append(out[0])
+    return out
+
+  monkeypatch.setattr(pipeline.sft, "train_sft", keep_model)
+  cfg = dataclasses.replace(pipeline.PreferenceConfig(), vocab_size=300, pretrain_steps=2,
+                            sft_steps=2, hidden_size=32, num_layers=1)
+  logdir = str(tmp_path / "run")
+  s = pipeline.run_preference(str(path), cfg, logdir=logdir, stop_after="sft",
+                              log=lambda msg: None)
+  assert s["hf_model"] == os.path.join(logdir, "hf_model")
+  assert not os.path.exists(s["hf_model"] + ".partial")
+  text = "Human: What is two plus two? Assistant:"
+  hf_tok = transformers.PreTrainedTokenizerFast.from_pretrained(s["hf_model"])
+  from rljax.models.tokenizer import load_tokenizer
+
+  tokens = load_tokenizer(s["hf_model"]).encode(text)
+  assert hf_tok(text, add_special_tokens=False).input_ids == \
+      load_tokenizer(os.path.join(logdir, "tokenizer")).encode(text, add_special_tokens=False)
+  hf = transformers.AutoModelForCausalLM.from_pretrained(s["hf_model"]).eval()
+  with torch.no_grad():
+    hf_logits = hf(torch.tensor([tokens])).logits.numpy()
+  np.testing.assert_allclose(hf_logits, np.asarray(trained[-1](np.asarray([tokens]))),
+                             atol=1e-4)
+
+
 @pytest.mark.slow
 def test_train_sft_script_with_model(hf_folder, tmp_path):
   path = tmp_path / "hh.jsonl"
@@ -174,7 +213,8 @@ def test_train_sft_script_with_model(hf_folder, tmp_path):
        f"--logdir={logdir}"],
       capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
   assert out.returncode == 0, out.stderr[-3000:]
-  assert "SFT on 12 chosen responses" in out.stdout
+  assert "SFT on 11 chosen responses (of 12 pairs; the rest held out)" in out.stdout
+  assert os.path.exists(logdir / "hf_model" / "model.safetensors")
   assert "pretrain:" not in out.stdout + out.stderr
   records = [json.loads(line) for line in open(logdir / "metrics.jsonl")]
   assert any("sft/loss" in r for r in records)

@@ -104,3 +104,19 @@ def test_preference_sigkill_then_resume_is_bitwise_exact(setup, tmp_path):
       np.testing.assert_array_equal(a[k], b[k], err_msg=k)
   # Every RL step's metrics (rewards, KL, losses, ...) equal the uninterrupted run's too.
   assert _rl_records(logdir) == _rl_records(ref)
+  # Both export the trained actor in Hugging Face format, identically, and transformers loads
+  # it with the tokenizer.
+  import safetensors.numpy
+  import torch
+  import transformers
+
+  tensors = [safetensors.numpy.load_file(os.path.join(d, "hf_model", "model.safetensors"))
+             for d in (logdir, ref)]
+  assert sorted(tensors[0]) == sorted(tensors[1])
+  for k in tensors[0]:
+    np.testing.assert_array_equal(tensors[0][k], tensors[1][k], err_msg=k)
+  hf_tok = transformers.AutoTokenizer.from_pretrained(os.path.join(logdir, "hf_model"))
+  hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(logdir, "hf_model"))
+  with torch.no_grad():
+    logits = hf(torch.tensor([hf_tok("Tell me about tea.").input_ids])).logits
+  assert torch.isfinite(logits).all()

@@ -74,11 +74,16 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
 
   Raises:
     FileNotFoundError: the file does not exist.
-    DataError: ``"{path}:{line}: ..."`` for invalid UTF-8, bad JSON or a non-object line.
+    DataError: ``path`` is a directory (the message lists its JSONL files); ``"{path}:{line}:
+      ..."`` for invalid UTF-8, bad JSON or a non-object line.
   """
   path = os.fspath(path)
   if not os.path.exists(path):
     raise FileNotFoundError(f"dataset file not found: {path}")
+  if os.path.isdir(path):
+    found = sorted(f for f in os.listdir(path) if f.endswith((".jsonl", ".jsonl.gz")))
+    raise DataError(f"{path} is a directory; expected a .jsonl or .jsonl.gz file"
+                    + (f" (it holds {', '.join(found[:5])})" if found else ""))
   opener = gzip.open if path.endswith(".gz") else open
   with opener(path, "rb") as f:
     for lineno, raw in enumerate(f, start=1):
@@ -148,10 +153,13 @@ def load_preference_pairs(path: str | os.PathLike, *, limit: int | None = None
 
   Raises:
     FileNotFoundError: no such file.
-    DataError: malformed line (file:line), missing key (named), a dialogue pair without a shared
-      assistant prefix, or no pairs at all.
+    DataError: a directory, a malformed line (file:line), a missing key (named), a dialogue pair
+      without a shared assistant prefix, or no pairs at all.
+    ValueError: ``limit`` < 1.
   """
   path = os.fspath(path)
+  if limit is not None and limit < 1:
+    raise ValueError(f"limit must be >= 1 pairs (or None for all), got {limit}")
   pairs = []
   for lineno, obj in read_jsonl(path):
     if "prompt" in obj:

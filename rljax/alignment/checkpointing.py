@@ -181,11 +181,13 @@ def prepare(logdir: str, section: str, config_json: dict[str, Any], *, resume: b
             defaults: dict[str, Any] | None = None) -> bool:
   """Checks ``logdir`` before anything is built or compiled; returns whether to resume.
 
-  With ``resume``, a run whose saved config differs is refused; a field the saved config
-  lacks (added after the run started) counts as its entry in ``defaults`` (flat dotted keys,
-  :func:`rljax.checkpoint.dataclass_defaults` of the config class). Without it, a ``logdir``
-  that already holds RLHF state is refused (its checkpoints are left untouched). Then the
-  config is written to ``<logdir>/checkpoints/config.json``.
+  With ``resume``, a run whose saved config differs is refused when the ``logdir`` holds its
+  state (frozen roles or RL checkpoints); a field the saved config lacks (added after the run
+  started) counts as its entry in ``defaults`` (flat dotted keys,
+  :func:`rljax.checkpoint.dataclass_defaults` of the config class). A config saved by a run
+  that stopped before saving any state (e.g. on bad input) does not bind the next one. Without
+  ``resume``, a ``logdir`` that already holds RLHF state is refused (its checkpoints are left
+  untouched). Then the config is written to ``<logdir>/checkpoints/config.json``.
 
   Returns:
     True when ``resume`` and the frozen roles are saved (the RL stage can start from them).
@@ -193,12 +195,13 @@ def prepare(logdir: str, section: str, config_json: dict[str, Any], *, resume: b
   Raises:
     ValueError: config mismatch, or existing state without ``resume``.
   """
-  exists = has_frozen(logdir) or os.path.exists(
-      os.path.join(ckpt.checkpoint_dir(logdir), ckpt.CONFIG_FILE))
+  steps_dir = ckpt.checkpoint_dir(logdir)
+  exists = has_frozen(logdir) or (
+      os.path.isdir(steps_dir) and any(d.isdigit() for d in os.listdir(steps_dir)))
   if exists and not resume:
     raise ValueError(f"--logdir {logdir!r} already holds an RLHF run; pass --resume to continue "
                      f"it or use a new --logdir (its checkpoints are left untouched).")
-  if resume:
+  if resume and exists:
     ckpt.check_same_config(logdir, section, config_json, defaults)
   frozen = resume and has_frozen(logdir)
   # Every process has looked before process 0 writes (else a peer would find the new file).

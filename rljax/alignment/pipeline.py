@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -407,6 +408,8 @@ class PreferenceConfig:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
     if self.pretrain_steps < 0:
       raise ValueError(f"pretrain_steps must be >= 0, got {self.pretrain_steps}.")
+    if self.limit is not None and self.limit < 1:
+      raise ValueError(f"limit (--limit) must be >= 1 pairs, got {self.limit}.")
     for name in ("lr", "rm_lr"):
       if not getattr(self, name) > 0:  # also refuses NaN
         raise ValueError(f"{name} must be > 0, got {getattr(self, name)}.")
@@ -430,6 +433,39 @@ def preference_defaults(model: str | None = None) -> PreferenceConfig:
   lrs = PRETRAINED_LEARNING_RATES
   rl = dataclasses.replace(config.rl, actor_lr=lrs["actor_lr"], critic_lr=lrs["critic_lr"])
   return dataclasses.replace(config, model=model, lr=lrs["lr"], rm_lr=lrs["rm_lr"], rl=rl)
+
+
+# Where the preference pipeline writes its trained model in Hugging Face format.
+HF_MODEL_DIR = "hf_model"
+
+
+def export_hf_model(model: DecoderLM, logdir: str, *, tokenizer_dir: str | None,
+                    include_heads: bool = False, log=print) -> str:
+  """Writes ``model`` to ``<logdir>/hf_model`` as a Hugging Face folder and returns its path.
+
+  ``config.json``, ``model.safetensors`` and ``generation_config.json``
+  (:func:`rljax.models.hf_io.save_hf_checkpoint`) with the tokenizer files of ``tokenizer_dir``
+  (``tokenizer.json``, ``tokenizer_config.json``, ...), so ``transformers``'
+  ``AutoModelForCausalLM.from_pretrained`` and vLLM load it; ``include_heads`` adds the value and
+  reward heads as ``rljax_heads.safetensors`` (read by ``load_hf_checkpoint``). The folder is
+  written beside as ``hf_model.partial`` and then renamed, so a crash never leaves a
+  half-written ``hf_model``; an older one is replaced. Every process calls it; process 0 writes.
+  """
+  from rljax.models import hf_io
+
+  path = os.path.join(logdir, HF_MODEL_DIR)
+  partial = path + ".partial"
+  if runtime.is_primary() and os.path.exists(partial):
+    shutil.rmtree(partial)
+  hf_io.save_hf_checkpoint(model, partial, include_heads=include_heads,
+                           copy_files_from=tokenizer_dir)
+  if runtime.is_primary():
+    if os.path.exists(path):
+      shutil.rmtree(path)
+    os.replace(partial, path)
+    log(f"saved the model in Hugging Face format to {path}")
+  runtime.sync_processes("rljax-export-hf")
+  return path
 
 
 def check_prompt_lengths(prompts: list[list[int]], *, max_prompt_len: int, context: int,
@@ -487,12 +523,14 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
   t0 = time.perf_counter()
   pretrained = (None if config.model is None else
                 load_pretrained(config.model, layout=train_layout(placement), seed=config.seed))
+  # The data is read (and so checked) before the logdir records this run's config: a bad file
+  # leaves nothing that would refuse the corrected command.
+  pairs = text_data.load_preference_pairs(path, limit=config.limit)
   use_ckpt = logdir is not None and stop_after == "rl"
   resuming = use_ckpt and checkpointing.prepare(
       logdir, "rlhf_preference", dict(checkpointing.config_to_json(config), data=os.path.abspath(path)),
       resume=resume, defaults=ckpt.dataclass_defaults(PreferenceConfig))
   layout = train_layout(placement)
-  pairs = text_data.load_preference_pairs(path, limit=config.limit)
   train_pairs, held_pairs = rm_lib.split_pairs(pairs, config.eval_fraction, config.seed)
   log(f"{path}: {len(pairs)} pairs ({len(train_pairs)} train / {len(held_pairs)} held out)")
   texts = [p.prompt + " " + p.chosen for p in train_pairs] + [p.rejected for p in train_pairs]
@@ -538,7 +576,9 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
     rm_model = nnx.merge(gd, jax.tree.map(jnp.copy, st))
     meta = checkpointing.load_frozen(logdir, {"reference": model, "reward": rm_model})
     log(f"loaded the SFT and reward models from {checkpointing.frozen_dir(logdir)}")
+    tokenizer_dir = config.model if config.model is not None else os.path.join(logdir, "tokenizer")
     return _preference_rl(config, tok, prompts, model, rm_model, meta, logdir=logdir,
+                          tokenizer_dir=tokenizer_dir,
                           writer=writer, log=log, placement=placement, t0=t0,
                           num_pairs=len(pairs), checkpoint_every=checkpoint_every,
                           keep_checkpoints=keep_checkpoints, resume=resume, sigterm=sigterm)
@@ -558,10 +598,15 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
       writer=writer, prefix="sft/", layout=layout)
   log(f"sft: response loss {h[-1]['sft/loss']:.3f}")
   t_sft = time.perf_counter()
+  tokenizer_dir = config.model if config.model is not None else (
+      None if logdir is None else os.path.join(logdir, "tokenizer"))
   if stop_after == "sft":
     if writer is not None:
       writer.close()
-    return dict(num_pairs=len(pairs), sft_loss=h[-1]["sft/loss"], wall_s=t_sft - t0)
+    hf_model = None if logdir is None else export_hf_model(
+        model, logdir, tokenizer_dir=tokenizer_dir, log=log)
+    return dict(num_pairs=len(pairs), num_train_pairs=len(train_pairs),
+                sft_loss=h[-1]["sft/loss"], wall_s=t_sft - t0, hf_model=hf_model)
 
   gd, st = nnx.split(model)
   rm_model = nnx.merge(gd, jax.tree.map(jnp.copy, st))  # the reward model starts from SFT
@@ -582,9 +627,11 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
   if stop_after == "rm":
     if writer is not None:
       writer.close()
+    hf_model = None if logdir is None else export_hf_model(
+        rm_model, logdir, tokenizer_dir=tokenizer_dir, include_heads=True, log=log)
     return dict(num_pairs=len(pairs), rm_accuracy=ev["rm/eval_accuracy"],
                 rm_ci=(ev["rm/eval_accuracy_ci_low"], ev["rm/eval_accuracy_ci_high"]),
-                rm_heldout=len(ho), wall_s=t_rm - t0)
+                rm_heldout=len(ho), wall_s=t_rm - t0, hf_model=hf_model)
 
   if config.normalize_reward:  # on SFT samples, before PPO (and before the frozen save)
     n = min(config.reward_norm_samples, len(prompts))
@@ -600,7 +647,7 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
   if use_ckpt:
     checkpointing.save_frozen(logdir, {"reference": model, "reward": rm_model}, meta)
   return _preference_rl(config, tok, prompts, model, rm_model, meta, logdir=logdir,
-                        writer=writer, log=log, placement=placement, t0=t0, num_pairs=len(pairs),
+                        tokenizer_dir=tokenizer_dir, writer=writer, log=log, placement=placement, t0=t0, num_pairs=len(pairs),
                         checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
                         resume=resume, sigterm=sigterm, use_ckpt=use_ckpt)
 
@@ -656,9 +703,10 @@ def normalize_reward_head(rm_model: DecoderLM, policy: DecoderLM, prompts, token
 
 
 def _preference_rl(config: PreferenceConfig, tok, prompts, model, rm_model, meta, *, logdir,
-                   writer, log, placement, t0, num_pairs, checkpoint_every, keep_checkpoints,
-                   resume, sigterm, use_ckpt=True) -> dict[str, Any]:
-  """The PPO stage of :func:`run_preference` (also where a resumed run starts)."""
+                   tokenizer_dir, writer, log, placement, t0, num_pairs, checkpoint_every,
+                   keep_checkpoints, resume, sigterm, use_ckpt=True) -> dict[str, Any]:
+  """The PPO stage of :func:`run_preference` (also where a resumed run starts); the trained
+  actor is exported with :func:`export_hf_model` when there is a ``logdir``."""
   from rljax.alignment import checkpointing
 
   t_rm = time.perf_counter()
@@ -682,8 +730,10 @@ def _preference_rl(config: PreferenceConfig, tok, prompts, model, rm_model, meta
     history = trainer.train(writer=writer, callback=show)
   if writer is not None:
     writer.close()
+  hf_model = None if logdir is None else export_hf_model(
+      trainer.actor_model(), logdir, tokenizer_dir=tokenizer_dir, log=log)
   return dict(
-      num_pairs=num_pairs, rm_accuracy=meta["rm/eval_accuracy"],
+      hf_model=hf_model, num_pairs=num_pairs, rm_accuracy=meta["rm/eval_accuracy"],
       rm_ci=(meta["rm/eval_accuracy_ci_low"], meta["rm/eval_accuracy_ci_high"]),
       rm_heldout=meta["rm_heldout"], **history_summary(history, 5),
       wall_s=time.perf_counter() - t0, sft_s=meta["sft_s"], rm_s=meta["rm_s"],
