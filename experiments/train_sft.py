@@ -61,8 +61,9 @@ def main(argv):
       s = pipeline.run_preference(data, cfg, logdir=logdir, stop_after="sft",
                                   placement=placement, log=runtime.primary_print)
       runtime.primary_print(
-          f"SFT on {s['num_train_pairs']} chosen responses (of {s['num_pairs']} pairs; the rest held out): response loss {s['sft_loss']:.3f}; "
-          f"wall {s['wall_s']:.0f} s; logdir {logdir}")
+          f"SFT on {s['num_train_pairs']} chosen responses (of {s['num_pairs']} pairs; the rest "
+          f"held out): response loss {s['sft_loss']:.3f}; wall {s['wall_s']:.0f} s; "
+          f"logdir {logdir}")
 
   runtime.run_main(run, verbose=_F.verbose.value)
 

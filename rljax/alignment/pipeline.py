@@ -468,6 +468,14 @@ def export_hf_model(model: DecoderLM, logdir: str, *, tokenizer_dir: str | None,
   return path
 
 
+def _tokenizer_dir(config: PreferenceConfig, logdir: str | None) -> str | None:
+  """The folder whose tokenizer files go beside an exported model: ``--model``'s, else the
+  run's own ``<logdir>/tokenizer``."""
+  if config.model is not None:
+    return config.model
+  return None if logdir is None else os.path.join(logdir, "tokenizer")
+
+
 def check_prompt_lengths(prompts: list[list[int]], *, max_prompt_len: int, context: int,
                          response_len: int, mode: str, log=print) -> list[list[int]]:
   """Applies the prompt budget ``min(max_prompt_len, context - response_len)`` tokens.
@@ -576,10 +584,8 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
     rm_model = nnx.merge(gd, jax.tree.map(jnp.copy, st))
     meta = checkpointing.load_frozen(logdir, {"reference": model, "reward": rm_model})
     log(f"loaded the SFT and reward models from {checkpointing.frozen_dir(logdir)}")
-    tokenizer_dir = config.model if config.model is not None else os.path.join(logdir, "tokenizer")
     return _preference_rl(config, tok, prompts, model, rm_model, meta, logdir=logdir,
-                          tokenizer_dir=tokenizer_dir,
-                          writer=writer, log=log, placement=placement, t0=t0,
+                          tokenizer_dir=_tokenizer_dir(config, logdir), writer=writer, log=log, placement=placement, t0=t0,
                           num_pairs=len(pairs), checkpoint_every=checkpoint_every,
                           keep_checkpoints=keep_checkpoints, resume=resume, sigterm=sigterm)
   if config.pretrain_steps and pretrained is None:
@@ -598,8 +604,7 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
       writer=writer, prefix="sft/", layout=layout)
   log(f"sft: response loss {h[-1]['sft/loss']:.3f}")
   t_sft = time.perf_counter()
-  tokenizer_dir = config.model if config.model is not None else (
-      None if logdir is None else os.path.join(logdir, "tokenizer"))
+  tokenizer_dir = _tokenizer_dir(config, logdir)
   if stop_after == "sft":
     if writer is not None:
       writer.close()
@@ -647,8 +652,8 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
   if use_ckpt:
     checkpointing.save_frozen(logdir, {"reference": model, "reward": rm_model}, meta)
   return _preference_rl(config, tok, prompts, model, rm_model, meta, logdir=logdir,
-                        tokenizer_dir=tokenizer_dir, writer=writer, log=log, placement=placement, t0=t0, num_pairs=len(pairs),
-                        checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
+                        tokenizer_dir=tokenizer_dir, writer=writer, log=log, placement=placement,
+                        t0=t0, num_pairs=len(pairs), checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
                         resume=resume, sigterm=sigterm, use_ckpt=use_ckpt)
 
 
