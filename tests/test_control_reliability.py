@@ -17,10 +17,6 @@ from rljax import envs
 from rljax.control import trainer
 from rljax.control.config import ControlConfig
 
-# The module's expensive module-scoped fixture runs once: its tests share one xdist worker
-# (pyproject's --dist=loadgroup; otherwise each worker would build the fixture again).
-pytestmark = pytest.mark.xdist_group("control_reliability")
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "experiments", "train_control.py")
 

@@ -12,10 +12,6 @@ import textwrap
 import numpy as np
 import pytest
 
-# The module's expensive module-scoped fixture runs once: its tests share one xdist worker
-# (pyproject's --dist=loadgroup; otherwise each worker would build the fixture again).
-pytestmark = pytest.mark.xdist_group("control_sharded")
-
 CODE = textwrap.dedent(r'''
     import json, jax, numpy as np
     from jax.sharding import AxisType

@@ -27,9 +27,7 @@ FLAGS = ["--pretrain_steps=4", "--sft_steps=4", "--num_eval_prompts=0",
 _STDOUTS: list[str] = []  # the 2-process run's console output, filled by the fixture
 TOL = 1e-5  # the 2-process gradient is an all-reduce of 2 halves: equal up to f32 rounding
 
-# The module's expensive module-scoped fixture runs once: its tests share one xdist worker
-# (pyproject's --dist=loadgroup; otherwise each worker would build the fixture again).
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("distributed_rlhf_script")]
+pytestmark = pytest.mark.slow
 
 
 def _wait(procs, timeout=600):

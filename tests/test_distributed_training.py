@@ -16,9 +16,7 @@ from _multiprocess import free_port, subprocess_env
 
 WORKER = os.path.join(os.path.dirname(__file__), "_dist_train_worker.py")
 
-# The module's expensive module-scoped fixture runs once: its tests share one xdist worker
-# (pyproject's --dist=loadgroup; otherwise each worker would build the fixture again).
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("distributed_training")]
+pytestmark = pytest.mark.slow
 
 
 def _result(out: str) -> dict:

@@ -15,10 +15,6 @@ import pytest
 from rljax import checkpoint as ckpt
 from rljax.alignment import checkpointing
 
-# The module's expensive module-scoped fixture runs once: its tests share one xdist worker
-# (pyproject's --dist=loadgroup; otherwise each worker would build the fixture again).
-pytestmark = pytest.mark.xdist_group("rlhf_reliability")
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "experiments", "train_rlhf.py")
 

@@ -9,11 +9,9 @@ import sys
 
 import pytest
 
-# The module's expensive module-scoped fixture runs once: its tests share one xdist worker
-# (pyproject's --dist=loadgroup; otherwise each worker would build the fixture again).
-pytestmark = pytest.mark.xdist_group("rlhf_sharded")
-
 CASES = os.path.join(os.path.dirname(__file__), "_rlhf_8dev_cases.py")
+
+
 
 
 @pytest.fixture(scope="module")
