@@ -43,6 +43,13 @@ def checkpoint_dir(logdir: str) -> str:
   return os.path.join(os.path.abspath(logdir), "checkpoints")
 
 
+def newest_step(logdir: str) -> int | None:
+  """The highest step folder under ``<logdir>/checkpoints`` (readable or not), or None."""
+  d = checkpoint_dir(logdir)
+  steps = [int(n) for n in os.listdir(d) if n.isdigit()] if os.path.isdir(d) else []
+  return max(steps, default=None)
+
+
 def write_json_atomic(path: str, obj: Any) -> None:
   """Writes JSON to ``path`` through a temporary file and ``os.replace``, with the mode a plain
   ``open`` would give (``0o666`` less the umask, not ``mkstemp``'s ``0o600``). On any error the
@@ -350,12 +357,9 @@ def check_fits(logdir: str, *, num_devices: int, device_bytes: int | None,
     ValueError: naming the checkpoint, the bytes it needs per device and the bytes a device
       holds.
   """
-  if device_bytes is None or not os.path.isdir(checkpoint_dir(logdir)):
+  step = newest_step(logdir)
+  if device_bytes is None or step is None:
     return
-  steps = [int(d) for d in os.listdir(checkpoint_dir(logdir)) if d.isdigit()]
-  if not steps:
-    return
-  step = max(steps)
   step_dir = os.path.join(checkpoint_dir(logdir), str(step))
   items = [os.path.join(step_dir, d) for d in sorted(os.listdir(step_dir))
            if os.path.isdir(os.path.join(step_dir, d))] + [p for p in extra_items if os.path.isdir(p)]

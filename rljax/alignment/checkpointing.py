@@ -195,9 +195,7 @@ def prepare(logdir: str, section: str, config_json: dict[str, Any], *, resume: b
   Raises:
     ValueError: config mismatch, or existing state without ``resume``.
   """
-  steps_dir = ckpt.checkpoint_dir(logdir)
-  exists = has_frozen(logdir) or (
-      os.path.isdir(steps_dir) and any(d.isdigit() for d in os.listdir(steps_dir)))
+  exists = has_frozen(logdir) or ckpt.newest_step(logdir) is not None
   if exists and not resume:
     raise ValueError(f"--logdir {logdir!r} already holds an RLHF run; pass --resume to continue "
                      f"it or use a new --logdir (its checkpoints are left untouched).")

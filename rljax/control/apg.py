@@ -626,9 +626,9 @@ def train_apg(config: APGConfig, logdir: str | None = None, *, progress: bool = 
     ValueError: ``logdir`` already holds checkpoints (APG runs do not resume).
   """
   t_start = time.perf_counter()
-  if logdir is not None and checkpoints and _latest_checkpoint(logdir) is not None:
+  if logdir is not None and checkpoints and ckpt.newest_step(logdir) is not None:
     raise ValueError(
-        f"{logdir!r} already holds checkpoints (step {_latest_checkpoint(logdir)}); APG runs "
+        f"{logdir!r} already holds checkpoints (step {ckpt.newest_step(logdir)}); APG runs "
         f"do not resume: use a new --logdir."
     )
   trainer, params = make_apg_trainer(config)
@@ -697,12 +697,6 @@ def train_apg(config: APGConfig, logdir: str | None = None, *, progress: bool = 
   if manager is not None:
     manager.close()
   return APGResult(state, trainer.networks, history, wall_s, compile_s)
-
-
-def _latest_checkpoint(logdir: str) -> int | None:
-  d = ckpt.checkpoint_dir(logdir)
-  steps = [int(n) for n in os.listdir(d) if n.isdigit()] if os.path.isdir(d) else []
-  return max(steps) if steps else None
 
 
 def _has_mjx_model(env) -> bool:

@@ -250,12 +250,6 @@ def export_policy(
   return write_export(exported, out_dir, **metadata)
 
 
-def _latest_step(logdir: str) -> int | None:
-  d = ckpt.checkpoint_dir(logdir)
-  steps = [int(n) for n in os.listdir(d) if n.isdigit()] if os.path.isdir(d) else []
-  return max(steps) if steps else None
-
-
 def export_from_logdir(
     logdir: str,
     out_dir: str | None = None,
@@ -294,7 +288,7 @@ def export_from_logdir(
   metadata = {
       "env": run_config.get("env"),
       "algo": saved.get("algo", "ppo"),
-      "step": step if step is not None else _latest_step(logdir),
+      "step": step if step is not None else ckpt.newest_step(logdir),
       "logdir": os.path.abspath(logdir),
       "network": saved["network"],
   }

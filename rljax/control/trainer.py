@@ -893,13 +893,6 @@ def _truncate_jsonl(path: str, last_step: int) -> None:
   ckpt.truncate_jsonl(path, last_step)
 
 
-def _newest_step(logdir: str) -> int | None:
-  """The newest step folder under ``<logdir>/checkpoints`` (readable or not), or None."""
-  path = ckpt.checkpoint_dir(logdir)
-  steps = [int(d) for d in os.listdir(path) if d.isdigit()] if os.path.isdir(path) else []
-  return max(steps, default=None)
-
-
 def _logged_history(logdir: str, last_step: int) -> list[dict[str, float]]:
   """``metrics.jsonl``'s records up to ``last_step``, as `train` returns them (floats;
   ``"nan"``/``"inf"`` strings back to floats); [] without the file."""
@@ -974,7 +967,7 @@ def train(
   # A run whose newest checkpoint is its last chunk has nothing left to train, so nothing is
   # compiled ahead (if that checkpoint turns out unreadable, the chunk restored instead
   # compiles on its first call).
-  finished = use_ckpt and resume and _newest_step(logdir) == trainer.num_chunks
+  finished = use_ckpt and resume and ckpt.newest_step(logdir) == trainer.num_chunks
   eval_key = jax.random.PRNGKey(config.seed + 10_000)
   chunk_compiled = eval_compiled = None
   if not finished:
