@@ -12,8 +12,51 @@ is exported so that the experiment scripts run by subprocess tests use the same 
 import os
 import tempfile
 
+import pytest
+
 from rljax import runtime
 
 _CACHE = os.environ.setdefault(
     "RLJAX_COMPILATION_CACHE", os.path.join(tempfile.gettempdir(), "rljax-test-compilation-cache"))
 runtime.enable_compilation_cache(_CACHE)
+
+# Modules whose tests share an expensive module-scoped fixture (a 2-process training run, an
+# 8-device subprocess, a reference training run): under pytest-xdist one worker runs each of these
+# modules whole, so the fixture is built once (CI built test_distributed_training's 137-144 s
+# fixture on both workers before). xdist's own ``--dist=loadgroup`` cannot do this here: with
+# pytest 9 its workers no longer tag test ids with the group, and subprocess tests run
+# ``pytest -p no:xdist``, which would reject the option in ``addopts``.
+ONE_WORKER_MODULES = frozenset({
+    "test_control_reliability.py",
+    "test_control_sharded.py",
+    "test_distributed_rlhf_script.py",
+    "test_distributed_training.py",
+    "test_rlhf_reliability.py",
+    "test_rlhf_sharded.py",
+})
+
+
+def _scope(nodeid):
+  """The xdist work unit of a test id: its module for ``ONE_WORKER_MODULES``, else the test."""
+  path = nodeid.split("::", 1)[0]
+  return path if os.path.basename(path) in ONE_WORKER_MODULES else nodeid
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+  """Replaces xdist's default ``load`` scheduling by one that keeps ``ONE_WORKER_MODULES`` whole.
+
+  Other tests are scheduled one by one, as with ``load``; the whole modules go first (largest
+  first), so they do not end the run on one worker. An explicit ``--dist`` other than ``load``
+  is left to xdist.
+  """
+  if config.getvalue("dist") != "load":
+    return None
+  from xdist.scheduler import LoadScopeScheduling  # pylint: disable=import-outside-toplevel
+
+  class _ModuleGroups(LoadScopeScheduling):
+
+    def _split_scope(self, nodeid):
+      return _scope(nodeid)
+
+  return _ModuleGroups(config, log)
