@@ -1,6 +1,8 @@
 """Control trainer reliability: exact resume after SIGKILL/SIGTERM, corrupt checkpoints,
 and the non-finite guard."""
 
+import dataclasses
+import json
 import os
 import random
 import signal
@@ -13,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rljax import checkpoint as ckpt
 from rljax import envs
 from rljax.control import trainer
 from rljax.control.config import ControlConfig
@@ -146,6 +149,26 @@ def test_finished_run_reruns_as_a_no_op_and_truncated_newest_checkpoint_falls_ba
       [np.asarray(x) for x in jax.tree.leaves(resumed.train_state.params)],
       [np.asarray(x) for x in jax.tree.leaves(done.train_state.params)],
   )
+
+
+def test_start_that_saved_no_checkpoint_does_not_bind_the_next_run(tmp_path):
+  # A start stopped before its first checkpoint (e.g. while compiling) left its config and a
+  # record; the next command in that logdir, with another config, trains from chunk 0 and its
+  # metrics.jsonl holds only its own records.
+  logdir = str(tmp_path / "run")
+  other = ControlConfig(**dict(SETTINGS, num_timesteps=3 * 2 * 16 * 8, num_evals=4, seed=7))
+  ckpt.write_json_atomic(os.path.join(ckpt.checkpoint_dir(logdir), ckpt.CONFIG_FILE),
+                         {"control": json.loads(other.to_json())})
+  with open(os.path.join(logdir, "metrics.jsonl"), "w") as f:
+    f.write(json.dumps({"step": 0, "env_steps": 0, "eval/episode_reward": -1.0}) + "\n")
+  config = dataclasses.replace(other, seed=0)
+  result = trainer.train(config, logdir, progress=False)
+  assert result.resumed_from is None
+  with open(os.path.join(logdir, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f]
+  assert [r["step"] for r in records] == [0, 1, 2, 3]
+  assert records[0]["eval/episode_reward"] == result.history[0]["eval/episode_reward"] != -1.0
+  assert ckpt.read_config(logdir)["control"]["seed"] == 0
 
 
 class _NaNRewardAt:

@@ -946,14 +946,16 @@ def train(
 
   Raises:
     rljax.control.config.ConfigError, rljax.envs.UnknownEnvError, ValueError: bad
-      settings (or a ``logdir`` holding a run with another config), before anything
+      settings (or a ``logdir`` whose checkpoints are of another config), before anything
       compiles.
     Preempted: SIGTERM was received; the state is checkpointed.
     NonFiniteHalt: ``config.nonfinite == "halt"`` and an update was skipped.
   """
   t_start = time.perf_counter()
   use_ckpt = logdir is not None and checkpoints
-  if use_ckpt and resume:
+  # A saved config binds only a run that saved state (a run stopped before its first
+  # checkpoint, e.g. while compiling, does not refuse the next command in its logdir).
+  if use_ckpt and resume and ckpt.newest_step(logdir) is not None:
     _check_same_config(logdir, config)
   trainer, params = make_trainer(config, mesh=mesh)
   # The train chunk and the evaluation compile on two more threads, from the state's
@@ -1007,6 +1009,9 @@ def train(
             f"nothing left to train")
       _truncate_jsonl(os.path.join(logdir, "metrics.jsonl"), start_chunk)
       history = _logged_history(logdir, start_chunk)
+    elif os.path.exists(os.path.join(logdir, "metrics.jsonl")):
+      # An earlier start that saved no checkpoint: its records are redone from chunk 0.
+      _truncate_jsonl(os.path.join(logdir, "metrics.jsonl"), -1)
 
   writer = None
   if logdir is not None and start_chunk < trainer.num_chunks:
