@@ -53,6 +53,7 @@ def main(argv):
       if _MARGIN.value < 0:
         raise ValueError(f"--margin must be >= 0, got {_MARGIN.value}")
       cfg = dataclasses.replace(cfg, rm_margin=_MARGIN.value)
+    pipeline.check_stage_logdir(logdir, "train_reward_model.py")
     check_writable(logdir)
     run_info.start_run(logdir, cfg, use_wandb=_F.wandb.value)
     runtime.enable_compilation_cache()

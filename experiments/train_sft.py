@@ -40,6 +40,7 @@ def main(argv):
     if _F.data.rm_lr.value is not None:
       raise ValueError("--rm_lr does nothing in train_sft.py (it trains no reward model); "
                        "use it with train_reward_model.py or train_rlhf.py")
+    pipeline.check_stage_logdir(logdir, "train_sft.py")
     check_writable(logdir)
     runtime.enable_compilation_cache()
     if data is None:

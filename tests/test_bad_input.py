@@ -99,6 +99,7 @@ def _cases(tmp_path, existing, hf=None):
   blocker = tmp_path / "a_file"
   blocker.write_text("x")
   e = f"--logdir={existing}"
+  n = f"--logdir={tmp_path}/fresh"  # the one-stage scripts refuse an existing run first
   hf = hf or {}
   m = {k: f"--model={v}" for k, v in hf.items()}
   return {
@@ -109,9 +110,9 @@ def _cases(tmp_path, existing, hf=None):
       "malformed_json": ("train_rlhf.py", [f"--preference_data={bad_json}",
                                             f"--logdir={tmp_path}/new"],
                          "bad.jsonl:2: malformed JSON"),
-      "invalid_utf8": ("train_sft.py", [f"--preference_data={bad_utf8}", e],
+      "invalid_utf8": ("train_sft.py", [f"--preference_data={bad_utf8}", n],
                        "utf8.jsonl:2: invalid UTF-8"),
-      "missing_rejected": ("train_reward_model.py", [f"--preference_data={no_rejected}", e],
+      "missing_rejected": ("train_reward_model.py", [f"--preference_data={no_rejected}", n],
                            "norej.jsonl:1: missing key 'rejected'"),
       "empty_dataset": ("train_rlhf.py", [f"--preference_data={empty}",
                                            f"--logdir={tmp_path}/new"],
@@ -120,9 +121,9 @@ def _cases(tmp_path, existing, hf=None):
                                                  f"--logdir={tmp_path}/new"],
                               f"{tmp_path} is a directory; expected a .jsonl or .jsonl.gz file "
                               f"(it holds bad.jsonl, empty.jsonl, good.jsonl"),
-      "limit_zero": ("train_sft.py", [f"--preference_data={good}", "--limit=0", e],
+      "limit_zero": ("train_sft.py", [f"--preference_data={good}", "--limit=0", n],
                      "limit (--limit) must be >= 1 pairs, got 0"),
-      "missing_file": ("train_reward_model.py", [f"--preference_data={tmp_path}/nope.jsonl", e],
+      "missing_file": ("train_reward_model.py", [f"--preference_data={tmp_path}/nope.jsonl", n],
                        "does not exist"),
       "overlong_prompts_rejected": (
           "train_rlhf.py", [f"--preference_data={good}", "--max_prompt_len=3",
@@ -141,16 +142,16 @@ def _cases(tmp_path, existing, hf=None):
       "sft_steps_zero": ("train_rlhf.py", [f"--preference_data={good}", "--sft_steps=0", e],
                          "sft_steps must be >= 1, got 0"),
       # --num_steps: one check shared by the one-stage scripts (rljax.alignment.flags).
-      "sft_num_steps_zero": ("train_sft.py", [f"--preference_data={good}", "--num_steps=0", e],
+      "sft_num_steps_zero": ("train_sft.py", [f"--preference_data={good}", "--num_steps=0", n],
                              "--num_steps must be >= 1, got 0"),
       "rm_num_steps_negative": ("train_reward_model.py",
-                                [f"--preference_data={good}", "--num_steps=-3", e],
+                                [f"--preference_data={good}", "--num_steps=-3", n],
                                 "--num_steps must be >= 1, got -3"),
-      "lr_not_positive": ("train_sft.py", [f"--preference_data={good}", "--lr=0", e],
+      "lr_not_positive": ("train_sft.py", [f"--preference_data={good}", "--lr=0", n],
                           "--lr must be > 0, got 0.0"),
       "rm_lr_without_data": ("train_rlhf.py", ["--rm_lr=1e-5", e],
                              "--rm_lr applies to --preference_data runs only"),
-      "rm_lr_in_sft": ("train_sft.py", [f"--preference_data={good}", "--rm_lr=1e-5", e],
+      "rm_lr_in_sft": ("train_sft.py", [f"--preference_data={good}", "--rm_lr=1e-5", n],
                        "--rm_lr does nothing in train_sft.py (it trains no reward model)"),
       "critic_lr_without_critic": ("train_rlhf.py", ["--algo=grpo", "--critic_lr=1e-5", e],
                                    "--critic_lr applies to --algo=ppo only (grpo has no critic)"),
@@ -164,20 +165,25 @@ def _cases(tmp_path, existing, hf=None):
           "unsupported model_type 'gpt2' in config.json; rljax.models supports "
           "('llama', 'qwen2')"),
       "model_tensor_shape_mismatch": (
-          "train_sft.py", [f"--preference_data={good}", m.get("bad_shape"), e],
+          "train_sft.py", [f"--preference_data={good}", m.get("bad_shape"), n],
           f"tensor 'model.layers.0.mlp.gate_proj.weight' in {hf.get('bad_shape')} has shape "
           f"(48, 32), but config.json implies (64, 32)"),
       "model_missing_folder": (
           "train_reward_model.py", [f"--preference_data={good}",
-                                    f"--model={tmp_path}/no-such-model", e],
+                                    f"--model={tmp_path}/no-such-model", n],
           f"--model '{tmp_path}/no-such-model': no such folder"),
       "model_missing_config": (
           "train_rlhf.py", [f"--preference_data={good}", m.get("no_config"), e],
           f"--model {hf.get('no_config')!r}: no config.json in the folder"),
       "model_with_tokenizer": (
           "train_sft.py", [f"--preference_data={good}", m.get("good"), f"--tokenizer={tok_dir}",
-                           e],
+                           n],
           "--tokenizer cannot be combined with --model"),
+      # SFT and reward-model runs do not resume: an existing run is refused, not appended to.
+      "stage_script_existing_run": (
+          "train_reward_model.py", [f"--preference_data={good}", e],
+          f"--logdir {str(existing)!r} already holds a run (checkpoints); train_reward_model.py "
+          f"runs do not resume: use a new --logdir (nothing in it was changed)"),
       "model_without_data": ("train_rlhf.py", [m.get("good"), e],
                              "needs --preference_data=PATH"),
   }
@@ -191,7 +197,7 @@ CASES = ["unknown_algo", "logdir_not_writable", "malformed_json", "invalid_utf8"
          "existing_run_without_resume",
          "checkpoint_every", "model_unsupported_type", "model_tensor_shape_mismatch",
          "model_missing_folder", "model_missing_config", "model_with_tokenizer",
-         "model_without_data"]
+         "model_without_data", "stage_script_existing_run"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -391,3 +397,15 @@ def test_help_lists_the_shared_flags(script):
                "--sharding_rules", "--model", "--tokenizer", "--max_prompt_len",
                "--coordinator_address", "--[no]wandb", "--[no]verbose"):
     assert name in listed, (script, name, sorted(listed))
+
+
+def test_stage_scripts_refuse_a_logdir_holding_a_finished_run(tmp_path):
+  """train_sft.py / train_reward_model.py do not resume: a folder with a finished run's
+  metrics and exported model is refused, naming both, and left as it was."""
+  (tmp_path / "hf_model").mkdir()
+  (tmp_path / "metrics.jsonl").write_text('{"step": 0, "sft/loss": 2.5}\n')
+  pipeline.check_stage_logdir(str(tmp_path / "elsewhere"), "train_sft.py")  # nothing there
+  with pytest.raises(ValueError, match=r"already holds a run \(metrics.jsonl, hf_model\); "
+                     r"train_sft.py runs do not resume"):
+    pipeline.check_stage_logdir(str(tmp_path), "train_sft.py")
+  assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0, "sft/loss": 2.5}\n'

@@ -468,6 +468,28 @@ def export_hf_model(model: DecoderLM, logdir: str, *, tokenizer_dir: str | None,
   return path
 
 
+def check_stage_logdir(logdir: str, script: str) -> None:
+  """Refuses a ``logdir`` that already holds a run, for the stage scripts (SFT, reward model).
+
+  These runs do not checkpoint or resume; a second run in the same folder would append its
+  records to the first one's ``metrics.jsonl`` and replace its ``hf_model``. Called before
+  anything is written (``run_info.json`` included); every process checks, then all meet.
+
+  Args:
+    logdir: the run directory (need not exist).
+    script: the script's name, for the message (``"train_sft.py"``).
+
+  Raises:
+    ValueError: naming what ``logdir`` holds (``metrics.jsonl``, ``hf_model``, ``checkpoints``).
+  """
+  held = [name for name in ("metrics.jsonl", HF_MODEL_DIR, "checkpoints")
+          if os.path.exists(os.path.join(logdir, name))]
+  runtime.sync_processes("rljax-stage-logdir-checked")
+  if held:
+    raise ValueError(f"--logdir {logdir!r} already holds a run ({', '.join(held)}); {script} "
+                     f"runs do not resume: use a new --logdir (nothing in it was changed)")
+
+
 def _tokenizer_dir(config: PreferenceConfig, logdir: str | None) -> str | None:
   """The folder whose tokenizer files go beside an exported model: ``--model``'s, else the
   run's own ``<logdir>/tokenizer``."""
