@@ -28,6 +28,7 @@ non-finite reward, loss or gradient (--nonfinite=halt; the last good state is ch
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -225,14 +226,24 @@ def main(argv):
   runtime.run_main(run, verbose=_VERBOSE.value)
 
 
+def _steps(n: int) -> str:
+  return f"{n} step" if n == 1 else f"{n} steps"
+
+
+def _accuracy(before: float, after: float) -> str:
+  if math.isnan(before):  # no held-out prompts
+    return "greedy accuracy not measured (--num_eval_prompts=0)"
+  return f"greedy accuracy {before:.3f} -> {after:.3f}"
+
+
 def report(pipeline, config, logdir, **kw) -> None:
   """Runs the selected pipeline and prints its one-line summary."""
   if _DATA.value is None:
     s = pipeline.run_embedded(config, logdir=logdir, log=runtime.primary_print, **kw)
     runtime.primary_print(
-        f"embedded {_ALGO.value}: mean reward {s['reward_first']:.3f} (first 10 steps) -> "
-        f"{s['reward_last']:.3f} (last 10); KL last {s['kl_last']:.3f}, max {s['kl_max']:.3f}; "
-        f"greedy accuracy {s['accuracy_before']:.3f} -> {s['accuracy_after']:.3f}; "
+        f"embedded {_ALGO.value}: mean reward {s['reward_first']:.3f} (first "
+        f"{_steps(s['summary_steps'])}) -> {s['reward_last']:.3f} (last {s['summary_steps']}); KL last {s['kl_last']:.3f}, max {s['kl_max']:.3f}; "
+        f"{_accuracy(s['accuracy_before'], s['accuracy_after'])}; "
         f"wall {s['wall_s']:.0f} s; logdir {logdir}")
   else:
     s = pipeline.run_preference(_DATA.value, config, logdir=logdir, log=runtime.primary_print,
@@ -241,7 +252,8 @@ def report(pipeline, config, logdir, **kw) -> None:
     runtime.primary_print(
         f"{_DATA.value}: reward model held-out accuracy {s['rm_accuracy']:.3f} "
         f"(95% CI {lo:.3f}-{hi:.3f}, n={s['rm_heldout']}); {_ALGO.value} reward "
-        f"{s['reward_first']:.3f} -> {s['reward_last']:.3f}, KL last {s['kl_last']:.3f} "
+        f"{s['reward_first']:.3f} (first {_steps(s['summary_steps'])}) -> "
+        f"{s['reward_last']:.3f} (last {s['summary_steps']}), KL last {s['kl_last']:.3f} "
         f"max {s['kl_max']:.3f}; wall {s['wall_s']:.0f} s; logdir {logdir}")
 
 

@@ -126,5 +126,7 @@ def test_history_summary_ignores_non_finite_steps():
   assert s["reward_first"] == pytest.approx(0.2)   # the NaN step is left out of the first 2
   assert s["reward_last"] == pytest.approx(0.6)    # mean of 0.4 and 0.8
   assert s["kl_max"] == pytest.approx(0.5) and s["kl_last"] == pytest.approx(0.3)
+  assert s["summary_steps"] == 2
   nan = pipeline.history_summary([{"reward/mean": float("nan")}], 5)
   assert np.isnan(nan["reward_first"]) and np.isnan(nan["kl_max"])
+  assert nan["summary_steps"] == 1  # a 1-step run's summary says "first 1 step", not "10"

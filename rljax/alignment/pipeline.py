@@ -85,7 +85,8 @@ def history_summary(history: Sequence[Mapping[str, float]], k: int) -> dict[str,
   """``reward_first``/``reward_last`` (mean ``reward/mean`` of the first and last ``k`` steps)
   and ``kl_max`` over finite values only, so a step whose reward was not finite (its update
   skipped by the non-finite guard) does not turn them into NaN; an empty selection gives NaN.
-  ``kl_last`` is the last step's ``kl`` as logged (NaN when it was not finite or not measured)."""
+  ``kl_last`` is the last step's ``kl`` as logged (NaN when it was not finite or not measured);
+  ``summary_steps``: the window actually used, ``min(k, len(history))``."""
 
   def finite(values):
     a = np.asarray(list(values), np.float64)
@@ -99,7 +100,8 @@ def history_summary(history: Sequence[Mapping[str, float]], k: int) -> dict[str,
   kls = finite(h.get("kl", np.nan) for h in history)
   return dict(reward_first=mean(rewards[:k]), reward_last=mean(rewards[-k:]),
               kl_max=float(kls.max()) if kls.size else float("nan"),
-              kl_last=float(history[-1].get("kl", np.nan)) if history else float("nan"))
+              kl_last=float(history[-1].get("kl", np.nan)) if history else float("nan"),
+              summary_steps=min(k, len(history)))
 
 
 def default_rl_config(algo: str, **overrides) -> rlhf.RLHFConfig:
@@ -276,7 +278,8 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
                                  max_new_tokens=config.rl.max_new_tokens)
     if use_ckpt:
       checkpointing.save_frozen(logdir, {"reference": model}, {"accuracy_before": acc_before})
-  log(f"greedy exact-match accuracy after SFT: {acc_before:.3f}")
+  if eval_prompts:
+    log(f"greedy exact-match accuracy after SFT: {acc_before:.3f}")
   if stop_after == "sft":
     if writer is not None:
       writer.write(config.sft_steps, {"eval/accuracy": acc_before})
@@ -308,7 +311,8 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
   t_rl = time.perf_counter()
   acc_after = greedy_accuracy(trainer.actor_model(), tok, eval_prompts,
                               max_new_tokens=config.rl.max_new_tokens)
-  log(f"greedy exact-match accuracy after RL: {acc_after:.3f}")
+  if eval_prompts:
+    log(f"greedy exact-match accuracy after RL: {acc_after:.3f}")
   if writer is not None:
     writer.write(config.rl.num_steps, {"eval/accuracy_before": acc_before,
                                        "eval/accuracy_after": acc_after})
