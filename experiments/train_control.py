@@ -254,7 +254,7 @@ def main(argv):
       else:
         result = trainer.train(
             config, logdir, progress=_PROGRESS.value, resume=_RESUME.value, mesh=mesh,
-            on_eval=on_eval,
+            on_eval=on_eval, log=runtime.primary_print,
         )
     except trainer.Preempted as e:
       print(f"{e}; exiting with status {trainer.EXIT_PREEMPTED}", file=sys.stderr)
@@ -263,10 +263,10 @@ def main(argv):
       print(f"error: {e}", file=sys.stderr)
       return 3
     if not result.history:  # a finished run whose metrics.jsonl is gone
-      print(f"{config.env}: no evaluation records in {logdir}/metrics.jsonl")
+      runtime.primary_print(f"{config.env}: no evaluation records in {logdir}/metrics.jsonl")
       return 0
     final = result.history[-1]
-    print(
+    runtime.primary_print(  # once, from process 0 of a multi-process run
         f"{config.env}: final eval episode reward {final['eval/episode_reward']:.1f} "
         f"after {final['env_steps']:,} env steps; wall {result.wall_s:.1f} s "
         f"(compile ~{result.compile_s:.1f} s); logdir {logdir}"

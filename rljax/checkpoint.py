@@ -247,6 +247,10 @@ def _set_aside(manager: ocp.CheckpointManager, steps: list[int], log: Callable[[
 def restore_policy(logdir: str, target: Any, step: int | None = None) -> Any:
   """Restores only the ``policy`` item into the structure of ``target`` (abstract ok).
 
+  Leaves of ``target`` that carry a sharding are restored with it; the others (e.g. from
+  ``nnx.eval_shape``) onto this process's first device, whatever mesh or process count saved
+  the checkpoint (a policy trained on 8 devices or 2 processes loads in a 1-device process).
+
   Raises:
     FileNotFoundError: if there is no checkpoint under ``logdir``.
   """
@@ -254,7 +258,15 @@ def restore_policy(logdir: str, target: Any, step: int | None = None) -> Any:
     step = m.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"No checkpoint under {checkpoint_dir(logdir)}.")
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    def abstract_leaf(x):
+      s = ocp.utils.to_shape_dtype_struct(x)
+      if getattr(s, "sharding", None) is None:
+        s = jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=local)
+      return s
+
+    abstract = jax.tree.map(abstract_leaf, target)
     out = m.restore(step, args=ocp.args.Composite(policy=ocp.args.StandardRestore(abstract)))
   return out.policy
 

@@ -109,6 +109,22 @@ def sync_processes(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
+def to_host(tree):
+  """``jax.device_get`` that also works for arrays spread over several processes: those are
+  all-gathered (``multihost_utils.process_allgather``), so every process gets the whole value.
+  Returns numpy leaves. With several processes every process must call it (a collective)."""
+  import numpy as np
+
+  def get(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+      from jax.experimental import multihost_utils
+
+      return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+  return jax.tree.map(get, tree)
+
+
 def configure_logging(verbose: bool = False) -> None:
   """Keeps the console to the progress bar and results.
 

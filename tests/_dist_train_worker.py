@@ -18,6 +18,7 @@ Each run does, on a mesh over every process's devices:
 Prints one line ``RESULT <json>``.
 """
 
+import dataclasses
 import json
 import os
 import time
@@ -61,6 +62,17 @@ def control(mesh):
              loss=float(np.asarray(jax.device_get(metrics["loss"]))),
              eval={k: float(np.asarray(v)) for k, v in ev.items()},
              obs_spec=str(env_state.obs.sharding.spec) if mesh is not None else None)
+  # --eval_video's callback on the trained state: every process calls it (the policy is
+  # gathered), process 0 alone renders; the episode's return matches the 1-process run's.
+  from rljax.control import eval_video
+
+  on_eval = eval_video.eval_video_callback(config, os.path.join(_LOGDIR.value, "video",
+                                                                str(jax.process_count())),
+                                           formats=("gif",), height=32, width=32)
+  video = on_eval(1, ts, {"env_steps": 16})
+  out["video"] = None if video is None else dict(
+      paths=[os.path.basename(p) for p in video.paths],
+      reward=float(np.asarray(video.episode_rewards).sum()))
   return tr, ts, env_state, out
 
 
@@ -110,6 +122,9 @@ def main(argv):
     manager = ckpt.make_manager(path)
     ckpt.save(manager, 1, *items)
     manager.close()
+    if jax.process_index() == 0:  # what load_policy reads beside the checkpoints
+      ckpt.write_json_atomic(os.path.join(ckpt.checkpoint_dir(path), ckpt.CONFIG_FILE),
+                             {"network": dataclasses.asdict(tr.networks.config)})
     saved = _digest(items)
     if jax.process_index() == 0:
       tmp = os.path.join(_LOGDIR.value, "saved.tmp.npz")
@@ -127,11 +142,19 @@ def main(argv):
     restored = _digest((policy, train_item))
     with np.load(os.path.join(_LOGDIR.value, "saved.npz")) as f:
       saved = [f[f"arr_{i}"] for i in range(len(f.files))]
+    # load_params (load_policy, export, render) on this 1-device process, from the folder
+    # alone, without a template of the 2-process shardings.
+    _, params, stats = control_trainer.load_params(path)
+    from flax import nnx
+
+    loaded = _digest({"params": nnx.to_pure_dict(params), "obs_stats": stats._asdict()})
     out["restore"] = dict(
         step=step, num_leaves=[len(saved), len(restored)],
         max_diff=max(float(np.max(np.abs(a - b))) if a.size else 0.0
                      for a, b in zip(saved, restored)),
-        shapes_equal=all(a.shape == b.shape for a, b in zip(saved, restored)))
+        shapes_equal=all(a.shape == b.shape for a, b in zip(saved, restored)),
+        policy_leaves=len(loaded),
+        policy_max_diff=max(float(np.max(np.abs(a - b))) for a, b in zip(saved, loaded)))
   print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -15,6 +15,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 UP, DOWN = os.path.join(HERE, "slurm", "slurm_up.sh"), os.path.join(HERE, "slurm", "slurm_down.sh")
 WORKER = os.path.join(HERE, "_dist_worker.py")
+PREEMPT_WORKER = os.path.join(HERE, "slurm", "preempt_worker.py")
+TEMPLATE = os.path.join(ROOT, "experiments", "slurm", "control.sbatch")
 SLURM_DIR = "/tmp/rljax-slurm-test"
 
 
@@ -32,6 +34,40 @@ def _up(nnodes: int) -> dict:
   env["SLURM_CONF"] = f"{SLURM_DIR}/slurm.conf"
   env["PATH"] = os.path.dirname(sys.executable) + ":" + env["PATH"]
   return env
+
+
+def _text(path):
+  return path.read_text() if path.exists() else ""
+
+
+def _wait_for(predicate, what, timeout):
+  t0 = time.time()
+  while not predicate():
+    assert time.time() - t0 < timeout, f"no {what} after {timeout} s"
+    time.sleep(0.2)
+
+
+def _preempt_and_requeue(env, tmp_path):
+  """The template's preemption path: SIGTERM to the batch shell (as --signal=B:TERM@120 sends
+  it) reaches every task, not srun (which would SIGKILL them); the tasks exit 75 and the job
+  is requeued."""
+  out = tmp_path / "preempt.out"
+  env_p = dict(env, RLJAX_DIR=ROOT, RLJAX_SCRIPT=PREEMPT_WORKER, RLJAX_LOGDIR=str(tmp_path / "p"))
+  r = _run(["sbatch", "--parsable", "--ntasks=2", "--ntasks-per-node=2", "--overcommit",
+            f"--output={out}", TEMPLATE], env_p)
+  assert r.returncode == 0, r.stdout + r.stderr
+  job = r.stdout.strip().split(";")[0]
+  try:
+    _wait_for(lambda: _text(out).count("READY ") == 2, "2 tasks running", 60)
+    r = _run(["scancel", "--batch", "--signal=TERM", job], env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    _wait_for(lambda: "requeueing" in _text(out), "requeue", 60)
+    text = _text(out)
+    assert sorted(l for l in text.splitlines() if l.startswith("TERM ")) == ["TERM 0", "TERM 1"]
+    assert "Exited with exit code 75" in text and "Killed" not in text, text[-3000:]
+    assert "Restarts=1" in _run(["scontrol", "show", "job", job], env).stdout
+  finally:
+    _run(["scancel", job], env)
 
 
 def _results(out):
@@ -61,10 +97,11 @@ def test_slurm_srun_sbatch_and_two_nodes(can_run, tmp_path):
     out = tmp_path / "sbatch.out"
     env_b = dict(env, RLJAX_DIR=ROOT, RLJAX_SCRIPT=WORKER, RLJAX_LOGDIR=str(tmp_path / "run"))
     r = _run(["sbatch", "--wait", "--ntasks=2", "--ntasks-per-node=2", "--overcommit", f"--output={out}",
-              os.path.join(ROOT, "experiments", "slurm", "control.sbatch")], env_b, timeout=150)
+              TEMPLATE], env_b, timeout=150)
     text = out.read_text() if out.exists() else ""
     assert r.returncode == 0, r.stdout + r.stderr + text[-3000:]
     assert len(_results(text)) == 2, text[-3000:]
+    _preempt_and_requeue(env, tmp_path)
   finally:
     _run(["bash", DOWN], dict(env, SLURM_DIR=SLURM_DIR))
   env = _up(2)

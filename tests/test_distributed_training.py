@@ -69,6 +69,16 @@ def test_evaluation_equals_one_process(runs):
     assert all(abs(r["eval"][k] - one[k]) < 1e-4 for k in one), (r["eval"], one)
 
 
+def test_eval_video_renders_once_from_process_0(runs):
+  """--eval_video's callback in a 2-process run: process 0 writes the video of the trained
+  policy (the same episode as the 1-process run's), process 1 renders nothing."""
+  one = runs[2]["video"]
+  assert one["paths"] == ["eval_16.gif"]
+  assert runs[0]["video"]["paths"] == one["paths"] and runs[1]["video"] is None
+  # The parameters agree to 1e-5 (an all-reduce of two halves), so the return nearly exactly.
+  assert abs(runs[0]["video"]["reward"] - one["reward"]) < 1e-3, (runs[0]["video"], one)
+
+
 def test_rlhf_step_equals_one_process(runs):
   one = runs[2]["rlhf"]
   for r in (x["rlhf"] for x in runs[:2]):
@@ -82,3 +92,6 @@ def test_two_process_checkpoint_restores_in_one_process(runs):
   r = runs[2]["restore"]
   assert r["step"] == 1 and r["num_leaves"][0] == r["num_leaves"][1] > 10
   assert r["shapes_equal"] and r["max_diff"] == 0.0   # params, optimizer, data-sharded env state
+  # The policy (params and observation statistics, the checkpoint's first leaves) as
+  # trainer.load_params reads it on 1 device: what load_policy, export and render use.
+  assert r["policy_leaves"] > 6 and r["policy_max_diff"] == 0.0

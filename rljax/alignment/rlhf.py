@@ -42,6 +42,7 @@ from flax import nnx
 
 from rljax import kl as kl_lib
 from rljax import ppo
+from rljax import runtime
 from rljax.checkpoint import NonFiniteHalt  # one exception class for both trainers
 from rljax.alignment import losses, modeling
 from rljax.alignment.modeling import Role
@@ -382,16 +383,8 @@ def _batch_names(ndim: int) -> tuple[str | None, ...]:
 
 
 def _to_host(tree):
-  """``jax.device_get`` that also works for arrays spread over several processes (they are
-  all-gathered, so every process gets the whole value). Returns numpy leaves."""
-
-  def get(x):
-    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
-      from jax.experimental import multihost_utils
-      return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
-
-  return jax.tree.map(get, tree)
+  """`rljax.runtime.to_host`: numpy leaves, all-gathered across processes where needed."""
+  return runtime.to_host(tree)
 
 
 def _mean_coef(penalty_fn):

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from rljax import envs, running_stats
+from rljax import envs, running_stats, runtime
 from rljax.control import render
 from rljax.control import trainer as trainer_lib
 from rljax.control.config import ControlConfig
@@ -43,7 +43,9 @@ def eval_video_callback(
   """Builds ``on_eval(chunk, train_state, record)`` writing ``<logdir>/videos/eval_<env_steps>.<fmt>``.
 
   ``record["env_steps"]`` (the environment steps trained so far, an int) names the file;
-  the callback returns the `rljax.control.render.RenderResult`.
+  the callback returns the `rljax.control.render.RenderResult`. In a multi-process run every
+  process calls it (the policy is gathered to the host) and process 0 renders and writes
+  (the others return ``None``).
 
   Args:
     config: the run's config (environment, episode length, action repeat, seed).
@@ -84,8 +86,13 @@ def eval_video_callback(
 
   def on_eval(chunk: int, train_state: trainer_lib.TrainState, record: dict):
     del chunk
+    # The policy as host arrays: in a multi-process run its arrays span other processes'
+    # devices (every process takes part in the gather); process 0 alone renders and writes.
+    policy = runtime.to_host((train_state.params, train_state.obs_stats))
+    if not runtime.is_primary():
+      return None
     path = os.path.join(out_dir, f"eval_{int(record['env_steps'])}")
-    return video((train_state.params, train_state.obs_stats), path, key)
+    return video(policy, path, key)
 
   return on_eval
 

@@ -34,6 +34,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -230,6 +231,27 @@ def check_camera(env, camera: str | int | None) -> str | int | None:
   )
 
 
+@contextlib.contextmanager
+def _no_playground_progress_bar():
+  """Playground's ``render_array`` wraps the frames in its own ``tqdm`` bar, which printed a
+  ``0/501`` line per video into training logs (also under ``--noprogress``) and broke the
+  run's own bar. Inside this context that module's ``tqdm.tqdm`` passes the frames through."""
+  try:
+    from mujoco_playground._src import mjx_env
+  except ImportError:  # not a Playground install: nothing to silence
+    yield
+    return
+  saved = getattr(mjx_env, "tqdm", None)
+  if saved is None:
+    yield
+    return
+  mjx_env.tqdm = types.SimpleNamespace(tqdm=lambda iterable, *args, **kwargs: iterable)
+  try:
+    yield
+  finally:
+    mjx_env.tqdm = saved
+
+
 def render_frames(env, fields: dict[str, np.ndarray], *, camera: str | int | None = None,
                   height: int = 240, width: int = 320, stride: int = 1,
                   gl_backend: str | None = None) -> np.ndarray:
@@ -263,7 +285,8 @@ def render_frames(env, fields: dict[str, np.ndarray], *, camera: str | int | Non
           **{k: v[t, i] for k, v in fields.items()})) for t in steps]
     else:
       traj = [types.SimpleNamespace(**{k: v[t, i] for k, v in fields.items()}) for t in steps]
-    columns.append(np.stack(env.render(traj, height=height, width=width, camera=camera)))
+    with _no_playground_progress_bar():
+      columns.append(np.stack(env.render(traj, height=height, width=width, camera=camera)))
   return np.concatenate(columns, axis=2)
 
 
