@@ -77,7 +77,7 @@ class MeshConfig:
     if size != num_devices:
       raise MeshError(
           f"mesh data={self.data} x fsdp={self.fsdp} x tensor={self.tensor} = {size} devices, "
-          f"but {num_devices} devices are available")
+          f"but {num_devices} {'device is' if num_devices == 1 else 'devices are'} available")
     return (self.data, self.fsdp, self.tensor)
 
 

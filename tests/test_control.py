@@ -61,7 +61,7 @@ def test_config_rejects_bad_values(kwargs, match):
         (["--num_envs=16", "--num_minibatches=3"], "batch_size=16 is not divisible by num_minibatches=3"),
         (["--env=playground/CartpoleBalanse"], "Did you mean: playground/CartpoleBalance"),
         (["--learning_rate=-1"], "learning_rate must be > 0, got -1.0"),
-        (["--mesh=2,1,1"], "mesh data=2 x fsdp=1 x tensor=1 = 2 devices, but 1 devices are available"),
+        (["--mesh=2,1,1"], "mesh data=2 x fsdp=1 x tensor=1 = 2 devices, but 1 device is available"),
         (["--sharding_rules=foo"], "unknown sharding rules preset 'foo'"),
     ],
 )

@@ -89,7 +89,7 @@ SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments"
 
 @pytest.mark.parametrize("script, flags, devices, message", [
     ("train_rlhf.py", ["--mesh=2,2,2"], 1,
-     "mesh data=2 x fsdp=2 x tensor=2 = 8 devices, but 1 devices are available"),
+     "mesh data=2 x fsdp=2 x tensor=2 = 8 devices, but 1 device is available"),
     ("train_rlhf.py", ["--mesh=1,8,1", "--prompts_per_step=12"], 8,
      "prompts_per_step * group_size 12 is not divisible by the data axes data=1 x fsdp=8 = 8"),
     ("train_rlhf.py", ["--placement=disaggregated", "--mesh=2,4,1"], 8,

@@ -784,8 +784,10 @@ def make_placement(mesh: str | None = None, sharding_rules: str = "fsdp",
   Args:
     mesh: ``--mesh=D,F,T`` (``data,fsdp,tensor``). ``colocated``: the mesh over all devices
       (default: all on ``data``). ``disaggregated``: the *training* mesh; the devices it leaves
-      generate, laid out on ``tensor`` (default: a quarter of the devices, at least 1, generate
-      and the rest train on ``fsdp``).
+      generate, laid out on ``tensor`` (default: the largest power of two of devices that
+      leaves at least a quarter of them, and at least one, to generate trains on ``fsdp``, so
+      that power-of-two batches divide it: 8 devices train on 4 and generate on 4, 16 on 8
+      and 8, 2 on 1 and 1; the rest generate).
     sharding_rules: the training preset (``fsdp``, ``fsdp_tp``, ``dp``; :mod:`rljax.sharding.rules`).
       The actor generates in ``tp`` (tensor-parallel, no fsdp all-gathers per decoded token).
     placement: ``colocated`` (all roles on one mesh) or ``disaggregated``.
@@ -817,9 +819,9 @@ def make_placement(mesh: str | None = None, sharding_rules: str = "fsdp",
                                              offload_frozen=offload_frozen)
   if n < 2:
     raise mesh_lib.MeshError(f"--placement=disaggregated needs >= 2 devices, got {n}")
-  if mesh is None:
-    num_generate = max(1, n // 4)
-    cfg = mesh_lib.MeshConfig(data=1, fsdp=n - num_generate)
+  if mesh is None:  # the largest power of two that leaves at least a quarter to generate
+    num_train = 1 << (n - max(1, n // 4)).bit_length() - 1
+    cfg = mesh_lib.MeshConfig(data=1, fsdp=num_train)
   elif cfg.data == -1:
     raise mesh_lib.MeshError(
         f"with --placement=disaggregated, --mesh is the training mesh and needs an explicit data "
