@@ -72,6 +72,8 @@ class DistributedConfig:
           "give all of coordinator_address, num_processes and process_id, or none; got "
           f"coordinator_address={self.coordinator_address!r}, num_processes={self.num_processes!r}, "
           f"process_id={self.process_id!r}")
+    if self.coordinator_address is not None:
+      _check_address(self.coordinator_address)
     if self.num_processes is not None:
       if self.num_processes < 1:
         raise ValueError(f"num_processes must be >= 1, got {self.num_processes}")
@@ -82,6 +84,15 @@ class DistributedConfig:
       raise ValueError(f"heartbeat_timeout_s must be >= 1, got {self.heartbeat_timeout_s}")
     if self.initialization_timeout_s < 1:
       raise ValueError(f"initialization_timeout_s must be >= 1, got {self.initialization_timeout_s}")
+
+
+def _check_address(address: str) -> None:
+  """``host:port`` with a port in 1..65535 (JAX's own parsing fails with an IndexError or a
+  crash on anything else)."""
+  host, sep, port = address.rpartition(":")
+  if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    raise ValueError(f"coordinator_address must be host:port with a port in 1..65535 "
+                     f"(e.g. 10.0.0.1:1234), got {address!r}")
 
 
 def under_slurm() -> bool:
@@ -117,7 +128,9 @@ def initialize(config: DistributedConfig | None = None) -> bool:
 
   Raises:
     ValueError: for an incomplete explicit configuration (see :class:`DistributedConfig`).
-    RuntimeError: from JAX if the processes cannot connect within ``initialization_timeout_s``.
+    RuntimeError: from JAX if the processes cannot connect within ``initialization_timeout_s``
+      (on CPU with jax 0.10, JAX aborts the process instead: exit status 134 after a
+      ``DEADLINE_EXCEEDED`` line).
   """
   config = config or DistributedConfig()
   if config.num_processes == 1 or (config.num_processes is None and not under_slurm()):
@@ -129,6 +142,11 @@ def initialize(config: DistributedConfig | None = None) -> bool:
   if config.num_processes is not None:
     if config.num_processes == 1:
       return False
+    # JAX waits silently for the other processes (and then aborts the process), so say so.
+    print(f"rljax.sharding.distributed: process {config.process_id} of {config.num_processes} "
+          f"connecting to {config.coordinator_address}; waiting up to "
+          f"{config.initialization_timeout_s} s for all processes (--initialization_timeout_s)",
+          file=sys.stderr, flush=True)
     jax.distributed.initialize(
         coordinator_address=config.coordinator_address, num_processes=config.num_processes,
         process_id=config.process_id, **kwargs)
@@ -237,8 +255,8 @@ def start_watchdog(*, timeout_s: float, interval_s: float | None = None,
 
 
 def define_flags() -> None:
-  """Defines ``--coordinator_address``, ``--num_processes``, ``--process_id`` and
-  ``--heartbeat_timeout_s`` absl flags (idempotent)."""
+  """Defines ``--coordinator_address``, ``--num_processes``, ``--process_id``,
+  ``--heartbeat_timeout_s`` and ``--initialization_timeout_s`` absl flags (idempotent)."""
   from absl import flags
 
   # The flags belong to the calling script (absl then lists them in the script's --help).
@@ -254,6 +272,9 @@ def define_flags() -> None:
       "process_id", None, "This process's index (multi-process runs without SLURM).")
   _FLAGS["heartbeat_timeout_s"] = flags.DEFINE_integer(
       "heartbeat_timeout_s", None, "Seconds before a silent process is declared dead (JAX: 100).")
+  _FLAGS["initialization_timeout_s"] = flags.DEFINE_integer(
+      "initialization_timeout_s", 300, "Seconds to wait for all processes to connect at the "
+      "start; JAX then aborts the process.")
 
 
 def initialize_from_flags() -> bool:

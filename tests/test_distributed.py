@@ -24,6 +24,10 @@ def test_config_validation_names_values():
     distributed.DistributedConfig(coordinator_address="127.0.0.1:1234", num_processes=2)
   with pytest.raises(ValueError, match=r"process_id must be in \[0, 2\), got 2"):
     distributed.DistributedConfig(coordinator_address="h:1", num_processes=2, process_id=2)
+  for bad in ("localhost", "127.0.0.1:abc", ":1234", "h:0", "h:70000"):
+    with pytest.raises(ValueError, match=f"coordinator_address must be host:port .* got '{bad}'"):
+      distributed.DistributedConfig(coordinator_address=bad, num_processes=2, process_id=0)
+  distributed.DistributedConfig(coordinator_address="[::1]:1234", num_processes=2, process_id=0)
   with pytest.raises(ValueError, match="heartbeat_timeout_s must be >= 1, got 0"):
     distributed.DistributedConfig(heartbeat_timeout_s=0)
   assert distributed.initialize(distributed.DistributedConfig(
