@@ -1,6 +1,6 @@
 r"""Memory planner: bytes per device per RLHF role, and the smallest mesh that fits.
 
-    python -m rljax.sharding.plan --model=70b --mesh=1,16,1 --device_memory_gb=80
+    python -m rljax.sharding.plan --model=70b --mesh=1,16,1 --batch=128 --device_memory_gb=80
     python -m rljax.sharding.plan --model=path/to/config.json --critic_model=7b --batch=64 --seq=4096
 
 For each role (:class:`rljax.sharding.placement.Role`) it counts, per device (bytes, GB = 1e9 B):
@@ -196,6 +196,29 @@ def role_bytes(role: str, shape: ModelShape, mesh: tuple[int, int, int], cfg: Pl
   return RoleBytes(params=params, grads=grads, optimizer=optimizer, kv_cache=kv, activations=act)
 
 
+def check_mesh(models: Mapping[str, ModelShape], mesh: tuple[int, int, int],
+               cfg: PlanConfig) -> None:
+  """Refuses a mesh the trainer would refuse: one whose ``data x fsdp`` does not divide the
+  batch (each device holds whole sequences), or, with a preset that uses ``tensor``, whose
+  ``tensor`` does not divide a model's attention heads or MLP width.
+
+  Raises:
+    ValueError: naming the sizes.
+  """
+  data, fsdp, tensor = mesh
+  if cfg.batch % (data * fsdp):
+    raise ValueError(
+        f"batch {cfg.batch} is not divisible by data x fsdp = {data * fsdp}: the trainer gives "
+        f"each of those devices whole sequences (raise --batch to a multiple of {data * fsdp}, "
+        f"or use fewer data x fsdp devices and more tensor)")
+  if cfg.preset in (Preset.FSDP_TP, Preset.TP):
+    for role, shape in models.items():
+      for name in ("num_heads", "intermediate_size"):
+        if getattr(shape, name) % tensor:
+          raise ValueError(f"tensor={tensor} does not divide the {role} model's {name} "
+                           f"{getattr(shape, name)}")
+
+
 def plan(models: Mapping[str, ModelShape], mesh: tuple[int, int, int], cfg: PlanConfig
          ) -> dict[str, RoleBytes]:
   """Per-device bytes of every role in ``models`` (role name -> shape), all on one mesh."""
@@ -206,12 +229,23 @@ def smallest_mesh(models: Mapping[str, ModelShape], cfg: PlanConfig, *, device_m
                   tensor: int = 1, headroom: float = 0.9, max_devices: int = 65536
                   ) -> tuple[tuple[int, int, int], float] | None:
   """The smallest power-of-two device count ``N`` whose mesh ``(1, N/tensor, tensor)`` holds all
-  roles colocated within ``headroom * device_memory_gb``. Returns ``((data, fsdp, tensor), bytes
-  per device)`` or ``None`` if even ``max_devices`` do not fit (e.g. ``dp`` never shards params).
+  roles colocated within ``headroom * device_memory_gb``. Only meshes that :func:`check_mesh`
+  accepts count (``N/tensor`` divides the batch). Returns ``((data, fsdp, tensor), bytes per
+  device)`` or ``None`` if none up to ``max_devices`` fits (e.g. ``dp`` never shards params, or
+  the batch has too few sequences to spread over enough devices).
+
+  Raises:
+    ValueError: ``device_memory_gb`` not > 0; ``tensor`` not dividing the models (see
+      :func:`check_mesh`).
   """
+  if not device_memory_gb > 0:
+    raise ValueError(f"device_memory_gb must be > 0, got {device_memory_gb}")
   n = tensor
   while n <= max_devices:
     mesh = (1, n // tensor, tensor)
+    if cfg.batch % (n // tensor):
+      return None  # larger meshes do not divide the batch either (powers of two)
+    check_mesh(models, mesh, cfg)
     total = sum(r.total for r in plan(models, mesh, cfg).values())
     if total <= headroom * device_memory_gb * GB:
       return mesh, total
@@ -264,6 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         models[role] = model_shape(name) if name else actor
     cfg = PlanConfig(param_dtype=args.param_dtype, opt_dtype=args.opt_dtype, batch=args.batch,
                      seq=args.seq, preset=args.sharding_rules, remat=args.remat)
+    if not args.device_memory_gb > 0:
+      raise ValueError(f"--device_memory_gb must be > 0, got {args.device_memory_gb:g}")
     tensor = 1
     if args.mesh:
       from rljax.sharding.mesh import parse_mesh_flag
@@ -272,14 +308,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise MeshError("--mesh for the planner needs an explicit data size")
       mesh = (mc.data, mc.fsdp, mc.tensor)
       tensor = mc.tensor
+      check_mesh(models, mesh, cfg)
       print(format_table(plan(models, mesh, cfg), mesh))
     weights = sum(m.num_params for m in models.values()) * _DTYPE_BYTES[cfg.param_dtype]
     print(f"\nweights alone: {weights / GB:.0f} GB = {weights / (args.device_memory_gb * GB):.1f} "
           f"devices of {args.device_memory_gb:g} GB")
     best = smallest_mesh(models, cfg, device_memory_gb=args.device_memory_gb, tensor=tensor)
     if best is None:
-      print(f"no mesh up to 65536 devices fits {args.device_memory_gb:g} GB per device "
-            f"with rules {cfg.preset.value}")
+      print(f"no mesh (1, N/{tensor}, {tensor}) up to 65536 devices whose data x fsdp divides "
+            f"--batch={cfg.batch} fits {args.device_memory_gb:g} GB per device with rules "
+            f"{cfg.preset.value}; raise --batch, or shard over tensor too "
+            f"(--sharding_rules=fsdp_tp --mesh=1,F,T)")
     else:
       mesh, total = best
       print(f"smallest mesh that fits {args.device_memory_gb:g} GB devices (90% usable): "

@@ -87,23 +87,39 @@ def test_70b_four_roles_needs_8_to_16_gpus_for_weights_and_more_for_adam():
   assert 68e9 < shape.num_params < 70e9   # Llama-2-70B: 68.98e9 parameters
   models = {r: shape for r in ("actor", "critic", "reference", "reward")}
   # weights alone: 4 x 69e9 x 2 B = 552 GB -> 6.9 x 80 GB, i.e. 8 GPUs (power of two), 16 with headroom
-  weights_only = plan_lib.PlanConfig(param_dtype="bfloat16", batch=8, seq=2048, trainable=(),
+  weights_only = plan_lib.PlanConfig(param_dtype="bfloat16", batch=64, seq=2048, trainable=(),
                                      generating=())
   mesh_w, _ = plan_lib.smallest_mesh(models, weights_only, device_memory_gb=80)
   assert mesh_w in ((1, 8, 1), (1, 16, 1))   # "8-16 80 GB GPUs for the weights alone"
-  # with per-layer rematerialisation (what 70B runs use): 32 devices
-  cfg = plan_lib.PlanConfig(param_dtype="bfloat16", opt_dtype="float32", batch=8, seq=2048,
+  # with per-layer rematerialisation (what 70B runs use), 64 x 2048 tokens a step: 64 devices
+  # (on 32, one sequence each, the four roles need 73.7 GB, over 90% of 80)
+  cfg = plan_lib.PlanConfig(param_dtype="bfloat16", opt_dtype="float32", batch=64, seq=2048,
                             remat=True)
   mesh, total = plan_lib.smallest_mesh(models, cfg, device_memory_gb=80)
-  assert mesh == (1, 32, 1) and total < 72e9
-  assert plan_lib.smallest_mesh(models, cfg, device_memory_gb=80, max_devices=16) is None
+  assert mesh == (1, 64, 1) and total < 72e9
+  assert plan_lib.smallest_mesh(models, cfg, device_memory_gb=80, max_devices=32) is None
   cfg_bf16_adam = dataclasses.replace(cfg, opt_dtype="bfloat16")
   mesh_b, _ = plan_lib.smallest_mesh(models, cfg_bf16_adam, device_memory_gb=80)
   assert mesh_b == (1, 32, 1)   # 552 GB weights + 276 GB grads + 552 GB bf16 Adam > 16 x 72 GB
-  # without it (rljax's model today) every layer's activations stay live: 128 devices
-  mesh_n, _ = plan_lib.smallest_mesh(models, dataclasses.replace(cfg, remat=False),
-                                     device_memory_gb=80)
-  assert mesh_n == (1, 128, 1)
+  # without it (rljax's model today) every layer's activations stay live: 217 GB per trainable
+  # role even at one sequence per device, and no fsdp mesh divides 64 sequences further
+  assert plan_lib.smallest_mesh(models, dataclasses.replace(cfg, remat=False),
+                                device_memory_gb=80) is None
+
+
+def test_meshes_the_trainer_would_refuse_are_refused():
+  shape = plan_lib.model_shape("70b")
+  models = {"actor": shape}
+  cfg = plan_lib.PlanConfig(batch=8)
+  with pytest.raises(ValueError, match=r"batch 8 is not divisible by data x fsdp = 16"):
+    plan_lib.check_mesh(models, (1, 16, 1), cfg)
+  plan_lib.check_mesh(models, (2, 4, 3), cfg)  # fsdp: tensor is not used
+  with pytest.raises(ValueError, match="tensor=7 does not divide the actor model's num_heads 64"):
+    plan_lib.check_mesh(models, (1, 1, 7), dataclasses.replace(cfg, preset="tp"))
+  # The search stops where data x fsdp no longer divides the batch.
+  assert plan_lib.smallest_mesh(models, cfg, device_memory_gb=1) is None
+  with pytest.raises(ValueError, match="device_memory_gb must be > 0, got 0"):
+    plan_lib.smallest_mesh(models, cfg, device_memory_gb=0)
 
 
 def test_bad_inputs_name_the_value(tmp_path):
@@ -128,3 +144,8 @@ def test_cli_hf_config_and_preset(tmp_path):
   bad = subprocess.run([sys.executable, "-m", "rljax.sharding.plan", "--model=nope"],
                        capture_output=True, text=True, timeout=120)
   assert bad.returncode == 2 and "error: model 'nope'" in bad.stderr
+  for flags, message in ((["--device_memory_gb=-80"], "--device_memory_gb must be > 0, got -80"),
+                         (["--mesh=1,16,1"], "batch 8 is not divisible by data x fsdp = 16")):
+    bad = subprocess.run([sys.executable, "-m", "rljax.sharding.plan", "--model=70b", *flags],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and f"error: {message}" in bad.stderr, bad.stderr
