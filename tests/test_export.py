@@ -126,6 +126,14 @@ def test_fixed_batch_export_and_errors(run, tmp_path):
     export_loader.load(str(tmp_path))
   with pytest.raises(export.ExportError, match="batch_size must be >= 1 or None"):
     export.export_inference_fn(lambda x: x, OBS_SIZE, batch_size=0)
+  # An RLHF run's folder is named as such (it was a bare KeyError: 'network').
+  rlhf_run = tmp_path / "rlhf"
+  (rlhf_run / "checkpoints" / "3").mkdir(parents=True)
+  (rlhf_run / "checkpoints" / "config.json").write_text('{"rlhf_embedded": {}}')
+  for load in (trainer.load_policy, lambda d: export.export_from_logdir(d, str(tmp_path / "x"))):
+    with pytest.raises(ValueError, match=r"is not a control run: its checkpoints/config.json "
+                                         r"has \['rlhf_embedded'\]"):
+      load(str(rlhf_run))
 
 
 def test_export_policy_in_memory_matches_inference_fn(tmp_path):

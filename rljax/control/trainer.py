@@ -1141,8 +1141,14 @@ def load_params(logdir: str, *, step: int | None = None):
 
   Raises:
     FileNotFoundError: no checkpoint or config under ``logdir``.
+    ValueError: ``logdir`` holds another kind of run (e.g. an RLHF run).
   """
   saved = ckpt.read_config(logdir)
+  if "network" not in saved:
+    raise ValueError(
+        f"{logdir!r} is not a control run: its checkpoints/config.json has "
+        f"{sorted(saved) or 'no sections'}, not the policy network that train_control.py "
+        f"saves (load_policy, export and render read control runs)")
   net_config = mlp.ActorCriticConfig(
       **{k: tuple(v) if isinstance(v, list) else v for k, v in saved["network"].items()}
   )
