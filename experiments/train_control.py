@@ -48,7 +48,7 @@ _MESH = flags.DEFINE_string(
     "mesh", None, "Device mesh D,F,T (data, fsdp, tensor sizes); default: all devices on data."
 )
 _RULES = flags.DEFINE_string(
-    "sharding_rules", "dp", "Sharding preset (dp, fsdp, fsdp_tp). The control MLP is small and "
+    "sharding_rules", "dp", "Sharding preset (dp, fsdp, fsdp_tp, tp). The control MLP is small and "
     "always replicated; environments and batches are split over the data and fsdp axes."
 )
 distributed.define_flags()

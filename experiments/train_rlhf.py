@@ -75,7 +75,7 @@ _WANDB = run_info.define_wandb_flag()
 _MESH_FLAGS = alignment_flags.define_mesh_flags(
     mesh_help="Device mesh D,F,T (data, fsdp, tensor sizes). colocated: over all devices "
     "(default: all on data); disaggregated: the training mesh, the other devices generate.",
-    rules_help="Training sharding preset: fsdp, fsdp_tp or dp (rljax.sharding.rules).")
+    rules_help="Training sharding preset: fsdp, fsdp_tp, dp or tp (rljax.sharding.rules).")
 _PLACEMENT = flags.DEFINE_string(
     "placement", "colocated", "colocated (all roles on one mesh; the actor is resharded from the "
     "training layout to tp for generation) or disaggregated (generation on separate devices).")
@@ -92,8 +92,10 @@ _KEEP = flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept (the newes
 _CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", None,
                                  "Cache directory (default ~/.cache/rljax).")
 # Stage sizes (tests and quick runs use small ones).
-_PRETRAIN = flags.DEFINE_integer("pretrain_steps", None, "Pre-training steps (both pipelines).")
-_SFT_STEPS = flags.DEFINE_integer("sft_steps", None, "SFT steps (both pipelines).")
+_PRETRAIN = flags.DEFINE_integer(
+    "pretrain_steps", None, "Pre-training steps (embedded task and --preference_data runs).")
+_SFT_STEPS = flags.DEFINE_integer(
+    "sft_steps", None, "SFT steps (embedded task and --preference_data runs).")
 _RM_STEPS = flags.DEFINE_integer("rm_steps", None, "--preference_data: reward-model steps.")
 _EVAL_PROMPTS = flags.DEFINE_integer(
     "num_eval_prompts", None, "Embedded: held-out problems for greedy accuracy (0 = none).")

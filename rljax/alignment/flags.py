@@ -113,7 +113,7 @@ class MeshFlags:
 
 def define_mesh_flags(mesh_help: str = "Device mesh D,F,T (data, fsdp, tensor sizes); default: "
                       "all devices on data.",
-                      rules_help: str = "Sharding preset: fsdp, fsdp_tp or dp "
+                      rules_help: str = "Sharding preset: fsdp, fsdp_tp, dp or tp "
                       "(rljax.sharding.rules).") -> MeshFlags:
   """``--mesh=D,F,T`` and ``--sharding_rules=PRESET`` (default ``fsdp``)."""
   return MeshFlags(
