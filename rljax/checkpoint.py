@@ -394,6 +394,8 @@ def check_writable(logdir: str) -> None:
   Raises:
     ValueError: naming the directory, if it cannot be created or written.
   """
+  if os.path.exists(logdir) and not os.path.isdir(logdir):
+    raise ValueError(f"--logdir {logdir!r} is a file; expected a directory (new or existing).")
   try:
     os.makedirs(logdir, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=logdir, prefix=".write-test-"):

@@ -409,3 +409,15 @@ def test_stage_scripts_refuse_a_logdir_holding_a_finished_run(tmp_path):
                      r"train_sft.py runs do not resume"):
     pipeline.check_stage_logdir(str(tmp_path), "train_sft.py")
   assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0, "sft/loss": 2.5}\n'
+
+
+def test_logdir_that_is_a_file_is_named_as_such(tmp_path):
+  from rljax.checkpoint import check_writable
+
+  (tmp_path / "a_file").write_text("x")
+  with pytest.raises(ValueError, match=r"--logdir '.*a_file' is a file; expected a directory"):
+    check_writable(str(tmp_path / "a_file"))
+  with pytest.raises(ValueError, match="is not writable"):
+    check_writable(str(tmp_path / "a_file" / "sub"))
+  check_writable(str(tmp_path / "new" / "run"))
+  assert (tmp_path / "new" / "run").is_dir()

@@ -177,7 +177,9 @@ def test_wandb_offline_run_receives_metrics_writer_records(tmp_path):
     [
         (["--algo=sac"], "--algo must be one of ppo, apg; got 'sac'."),
         (["--horizon_length=4"], "--horizon_length: APG settings, valid only with --algo=apg."),
-        (["--algo=apg", "--num_minibatches=4"], "--num_minibatches do(es) not apply to --algo=apg"),
+        (["--algo=apg", "--num_minibatches=4"],
+         "--num_minibatches does not apply to --algo=apg; APG's settings "
+         "(rljax.control.apg.APGConfig) are --action_repeat, "),
         (["--algo=apg", "--eval_video=mp4"], "--eval_video works with --algo=ppo only"),
     ],
 )

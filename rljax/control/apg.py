@@ -258,9 +258,11 @@ def build_apg_config(env: str, overrides: dict[str, Any]) -> APGConfig:
   names = {f.name for f in dataclasses.fields(APGConfig)}
   unknown = sorted(k for k in overrides if k not in names)
   if unknown:
+    verb = "does" if len(unknown) == 1 else "do"
     raise ConfigError(
-        f"{', '.join('--' + k for k in unknown)} do(es) not apply to --algo=apg; APG's "
-        f"settings are the fields of rljax.control.apg.APGConfig."
+        f"{', '.join('--' + k for k in unknown)} {verb} not apply to --algo=apg; APG's "
+        f"settings (rljax.control.apg.APGConfig) are "
+        f"{', '.join('--' + n for n in sorted(names))}."
     )
   return default_apg_config(env).replace(**overrides)
 
