@@ -109,12 +109,28 @@ def collect(config: Any = None, *, argv: Sequence[str] | None = None,
   return info
 
 
+def _previous_starts(path: str) -> list[dict[str, Any]]:
+  """The starts recorded in an existing ``run_info.json`` (its own and its ``"previous"``);
+  [] when there is none or it is unreadable."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      old = json.load(f)
+  except (OSError, ValueError):
+    return []
+  if not isinstance(old, dict):
+    return []
+  keep = ("command", "started", "host", "versions")
+  return list(old.get("previous", [])) + [{k: old[k] for k in keep if k in old}]
+
+
 def write_run_info(logdir: str, config: Any = None, *, argv: Sequence[str] | None = None,
                    extra: Mapping[str, Any] | None = None) -> str:
   """Writes `collect`'s dict to ``<logdir>/run_info.json`` (atomically); returns the path.
 
-  A resumed run overwrites the file with its own command line and versions. In a
-  multi-process run only process 0 writes it (``rljax.runtime.is_primary``).
+  A resumed run writes its own command line and versions, and keeps the earlier starts'
+  ``command``, ``started``, ``host`` and ``versions`` under ``"previous"`` (oldest first; e.g.
+  the 2-process command a 1-process resume continued). In a multi-process run only process 0
+  writes it (``rljax.runtime.is_primary``).
 
   Raises:
     OSError: ``logdir`` cannot be created or written.
@@ -126,6 +142,9 @@ def write_run_info(logdir: str, config: Any = None, *, argv: Sequence[str] | Non
   if not is_primary():
     return path
   info = collect(config, argv=argv, extra=extra)
+  previous = _previous_starts(path)
+  if previous:
+    info["previous"] = previous
   os.makedirs(logdir, exist_ok=True)
   tmp = path + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:

@@ -130,6 +130,17 @@ def test_run_info_records_config_versions_and_command(tmp_path):
                "mujoco-mjx", "playground", "rljax"):
     assert versions[name] == importlib.metadata.version(name), name
   assert versions["rljax"] == "0.1.0"
+  assert "previous" not in info
+  # A resume (same logdir) records its own command and keeps the earlier starts'.
+  for resume in (["--num_processes=1"], ["--seed=3"]):
+    run_info.write_run_info(str(tmp_path), config, argv=argv + resume)
+  with open(path) as f:
+    info = json.load(f)
+  assert info["argv"] == argv + ["--seed=3"]
+  assert [p["command"] for p in info["previous"]] == [
+      "experiments/train_control.py '--logdir=x y' --num_envs=16",
+      "experiments/train_control.py '--logdir=x y' --num_envs=16 --num_processes=1"]
+  assert info["previous"][0]["versions"] == versions and "config" not in info["previous"][0]
 
 
 def test_run_info_serialises_nested_configs_with_enums():
