@@ -148,7 +148,10 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, KeyError, FileNotFou
 def run_main(main: Callable[[], int | None], *, verbose: bool) -> None:
   """Runs ``main``; a user error exits with status 2 and a one-line message.
 
-  With ``verbose`` the traceback is printed too.
+  With ``verbose`` the traceback is printed too. Another error in a multi-process run first
+  waits for the lost-process watchdog (`rljax.sharding.distributed.wait_for_lost_peer`): when
+  a peer died, the process exits with status 70 and one line naming it instead of the failed
+  collective's traceback.
   """
   try:
     code = main()
@@ -158,4 +161,10 @@ def run_main(main: Callable[[], int | None], *, verbose: bool) -> None:
     msg = e.args[0] if isinstance(e, KeyError) and e.args else e
     print(f"error: {msg}", file=sys.stderr)
     sys.exit(2)
+  except Exception:
+    if jax.process_count() > 1:  # a lost peer is named (status 70), not a collective's traceback
+      from rljax.sharding import distributed
+
+      distributed.wait_for_lost_peer()
+    raise
   sys.exit(code or 0)

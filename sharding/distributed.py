@@ -39,6 +39,7 @@ import time
 import jax
 
 _FLAGS: dict = {}
+_WATCHDOG: dict = {}  # the running watchdog thread, for wait_for_lost_peer
 
 # Exit status of a process whose peer was lost (EX_SOFTWARE from sysexits.h).
 EXIT_LOST_PROCESS = 70
@@ -251,7 +252,23 @@ def start_watchdog(*, timeout_s: float, interval_s: float | None = None,
   thread = threading.Thread(target=loop, name="rljax-distributed-watchdog", daemon=True)
   thread.start()
   atexit.register(at_exit)  # runs before JAX's own atexit shutdown (registered earlier)
+  _WATCHDOG.update(thread=thread, wait_s=timeout_s + 3 * interval_s)
   return thread
+
+
+def wait_for_lost_peer() -> None:
+  """After this process's main thread failed: lets the watchdog (if running) judge first.
+
+  A dead peer usually shows first as a failed collective in the main thread (e.g. gloo's
+  "Connection reset by peer"). Called before that error is reported, this waits up to the
+  watchdog's timeout: if a peer is lost, the watchdog prints its one line and exits the
+  process (status 70) from here, and the collective's traceback is never printed; otherwise
+  (an error of this process's own) it returns and the error is reported as usual. Without a
+  watchdog it returns at once.
+  """
+  thread = _WATCHDOG.get("thread")
+  if thread is not None and thread.is_alive():
+    thread.join(timeout=_WATCHDOG["wait_s"])
 
 
 def define_flags() -> None:

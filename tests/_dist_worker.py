@@ -62,4 +62,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  from rljax import runtime
+
+  app.run(lambda argv: runtime.run_main(lambda: main(argv), verbose=False))

@@ -84,3 +84,6 @@ def test_killed_process_makes_the_other_exit_within_20s():
   # coordination service ("Task 1 heartbeat timeout") or a failed collective does.
   assert "rljax.sharding.distributed: lost process 1 of 2" in out, out[-3000:]
   assert p0.returncode == distributed.EXIT_LOST_PROCESS, (p0.returncode, out[-3000:])
+  # The failed collective's error is not dumped before that line (runtime.run_main waits for
+  # the watchdog's verdict).
+  assert "Traceback" not in out, out[-3000:]
