@@ -5,7 +5,7 @@ r"""Train a policy on an MJX environment with PPO (default) or analytic policy g
     python experiments/train_control.py --algo=apg --env=playground/CartpoleSwingup
     python experiments/train_control.py --eval_video=mp4,gif --wandb   # videos; W&B offline
 
-Every ``ControlConfig`` field is a flag; unset flags take the environment's bundled
+Every ``ControlConfig`` field but ``env_kwargs`` is a flag; unset flags take the environment's bundled
 default (``rljax.control.config.default_config``). With ``--algo=apg`` the flags are
 ``APGConfig``'s fields (``rljax.control.apg``; defaults ``apg.default_apg_config``), and
 PPO-only flags are errors. Bad values fail before anything compiles, with exit status 2

@@ -1,6 +1,6 @@
 r"""Bradley-Terry reward model on preference pairs; reports held-out accuracy with a 95% CI.
 
-    python experiments/train_reward_model.py --preference_data=../shared/data/hh-rlhf-harmless-base-test.jsonl.gz
+    python experiments/train_reward_model.py --preference_data=PATH/hh-rlhf-harmless-base-test.jsonl.gz
     python experiments/train_reward_model.py --preference_data=PATH --model=HF_FOLDER
 
 Tokenizer trained on the data, pre-training and SFT on the chosen side, then the reward model

@@ -1,8 +1,8 @@
 r"""RLHF: SFT -> (reward model) -> RL with PPO, GRPO, RLOO or REINFORCE++.
 
-    python experiments/train_rlhf.py                      # embedded default, ~2.5 min on 2 CPUs
+    python experiments/train_rlhf.py                      # embedded default, 1-2.5 min on 2 CPUs
     python experiments/train_rlhf.py --algo=grpo
-    python experiments/train_rlhf.py --preference_data=../shared/data/hh-rlhf-harmless-base-test.jsonl.gz
+    python experiments/train_rlhf.py --preference_data=PATH/hh-rlhf-harmless-base-test.jsonl.gz
     python experiments/train_rlhf.py --preference_data=PATH --model=HF_FOLDER  # pretrained start
 
 With no flags: a tiny Llama-style LM is pre-trained briefly on code-generated additions

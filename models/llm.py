@@ -578,7 +578,7 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-  """Grouped-query self-attention with RoPE and an optional slot-major KV cache.
+  """Grouped-query self-attention with RoPE and an optional KV cache (`LayerCache`).
 
   Parameters: ``q_kernel [E, H, D]``, ``kv_kernel [E, 2, K, D]`` (keys and values in one matmul:
   fewer, larger dots are faster on CPU), ``o_kernel [H, D, E]``, optional ``q_bias [H, D]``,

@@ -196,13 +196,33 @@ class PPOConfig:
 
 
 def masked_mean(x: Array, mask: Array) -> Array:
-  """Mean of ``x`` over entries where ``mask`` is 1; 0 when the mask is empty."""
+  """Mean of ``x`` over entries where ``mask`` is 1; 0 when the mask is empty.
+
+  Args:
+    x: any shape (e.g. ``[T, B]`` per-step losses), float.
+    mask: the same shape, 1 for real entries and 0 for padding (bool or float).
+
+  Returns:
+    A scalar ``[]`` of ``x``'s dtype.
+  """
   mask = mask.astype(x.dtype)
   return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
 def normalize_advantages(advantages: Array, mask: Array, eps: float = 1e-8) -> Array:
-  """Whitens ``advantages`` over real steps: ``(A - mean) / (std + eps)``, 0 on padding."""
+  """Whitens ``advantages`` over real steps: ``(A - mean) / (std + eps)``, 0 on padding.
+
+  Mean and (biased) standard deviation are taken over the entries where ``mask`` is 1, as in
+  the PPO implementations of Brax and OpenAI Baselines (per minibatch).
+
+  Args:
+    advantages: ``[...]`` float, e.g. ``[T, B]`` or a flat minibatch ``[M]``.
+    mask: the same shape, 1 for real steps and 0 for padding.
+    eps: added to the standard deviation.
+
+  Returns:
+    The same shape and dtype as ``advantages``.
+  """
   mask = mask.astype(advantages.dtype)
   mean = masked_mean(advantages, mask)
   var = masked_mean(jnp.square(advantages - mean), mask)

@@ -158,7 +158,7 @@ class SampleOutput(NamedTuple):
 class DecodeState(NamedTuple):
   """Loop carry of the decode ``while_loop`` (donated between prefill and decode)."""
 
-  cache: llm.KVCache           # per layer [B, K, P + R, D]
+  cache: llm.KVCache           # per layer keys [B, K, D, P + R], values [B, K, P + R, D]
   key_mask: jax.Array          # [B, P + R] bool, valid cache slots (prompt padding is False)
   last_token: jax.Array        # [B] int32, token to feed next
   next_position: jax.Array     # [B] int32, RoPE position of last_token

@@ -152,6 +152,10 @@ def initialize(config: DistributedConfig | None = None) -> bool:
         coordinator_address=config.coordinator_address, num_processes=config.num_processes,
         process_id=config.process_id, **kwargs)
   elif under_slurm():
+    print(f"rljax.sharding.distributed: SLURM task {os.environ.get('SLURM_PROCID', '?')} of "
+          f"{os.environ.get('SLURM_NTASKS', '?')} connecting (JAX's SLURM detection); waiting up "
+          f"to {config.initialization_timeout_s} s for all processes (--initialization_timeout_s)",
+          file=sys.stderr, flush=True)
     jax.distributed.initialize(**kwargs)  # JAX detects SLURM itself
   else:
     return False

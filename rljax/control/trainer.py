@@ -129,18 +129,25 @@ def make_optimizer(config: ControlConfig, total_iterations: int) -> optax.Gradie
 
 
 def policy_apply(networks: Networks, params, obs_norm: Array) -> tuple[Array, Array]:
-  """``obs [..., D]`` (normalised) -> ``(loc, scale)`` of the pre-tanh Gaussian."""
+  """``obs [..., D]`` (normalised, float32) -> ``(loc, scale)``, each ``[..., A]``: the mean
+  and standard deviation of the pre-tanh Gaussian policy (actions are ``tanh`` of a sample)."""
   model = nnx.merge(networks.graphdef, params)
   return model.policy_params(obs_norm)
 
 
 def value_apply(networks: Networks, params, obs_norm: Array) -> Array:
+  """``obs [..., D]`` (normalised, float32) -> state values ``[...]`` of the value network."""
   model = nnx.merge(networks.graphdef, params)
   return model.value_fn(obs_norm)
 
 
 def ppo_apply_fn(networks: Networks) -> ppo.ApplyFn:
-  """The control side of ``ppo_update``: ``(params, minibatch) -> (log_probs, values, entropy)``."""
+  """The control side of ``ppo_update``: ``(params, minibatch) -> (log_probs, values, entropy)``.
+
+  ``minibatch["obs"]`` is ``[M, D]`` (normalised) and ``minibatch["raw_actions"]`` ``[M, A]``
+  (pre-tanh samples); the three outputs are ``[M]`` (log-probability of the squashed action,
+  value, entropy of the pre-tanh Gaussian).
+  """
 
   def apply(params, minibatch):
     model = nnx.merge(networks.graphdef, params)
