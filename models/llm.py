@@ -176,6 +176,7 @@ class LMConfig:
 
   @property
   def jnp_dtype(self) -> jnp.dtype:
+    """``dtype`` (the parameter and activation dtype, e.g. ``"bfloat16"``) as a ``jnp.dtype``."""
     return jnp.dtype(self.dtype)
 
   def inv_freq(self) -> np.ndarray:
@@ -420,7 +421,11 @@ def last_token_index(mask: jax.Array) -> jax.Array:
 
 
 def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-  """``cos, sin [B, T, D/2]`` (f32) of angles ``positions * inv_freq``."""
+  """``cos, sin [B, T, D/2]`` (f32) of angles ``positions * inv_freq``.
+
+  ``positions [B, T]`` (int; left-padded rows use ``cumsum(mask) - 1``), ``inv_freq [D/2]``
+  from :meth:`LMConfig.inv_freq` (Su et al. 2021, RoFormer).
+  """
   angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
   return jnp.cos(angles), jnp.sin(angles)
 
@@ -570,6 +575,7 @@ class RMSNorm(nnx.Module):
     self.scale = _param(rngs, (dim,), dtype, (axes.EMBED,), init="ones")
 
   def __call__(self, x: jax.Array) -> jax.Array:
+    """``x [..., E]`` -> the same shape and dtype."""
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
     # Scaled in f32 and rounded once: for bf16 the scale's gradient is then an f32 reduction
@@ -718,6 +724,7 @@ class MLP(nnx.Module):
       self.gate_up_bias = self.down_bias = None
 
   def __call__(self, x: jax.Array) -> jax.Array:
+    """``x [B, T, E]`` -> ``[B, T, E]`` in the compute dtype."""
     gate_up = _dot("BTE,ECM->BTCM", x, self.gate_up_kernel[...])
     if self.gate_up_bias is not None:
       gate_up = gate_up + self.gate_up_bias[...]
@@ -740,6 +747,8 @@ class DecoderLayer(nnx.Module):
     self.mlp = MLP(config, rngs=rngs)
 
   def __call__(self, x, cos, sin, mask, cache=None, cache_index=0, kv_limit=None):
+    """``x [B, T, E]`` -> ``(x [B, T, E], cache)``; ``cos, sin [B, T, D/2]`` (`rope_tables`),
+    ``mask``, ``cache``, ``cache_index`` and ``kv_limit`` as for :class:`Attention`."""
     y, cache = self.attn(self.input_norm(x), cos, sin, mask, cache, cache_index, kv_limit)
     x = x + y
     x = x + self.mlp(self.post_attn_norm(x))
@@ -757,6 +766,7 @@ class ScalarHead(nnx.Module):
     self.bias = _param(rngs, (), jnp.float32, (), init="zeros")
 
   def __call__(self, h: jax.Array) -> jax.Array:
+    """``h [..., E]`` (any float dtype) -> ``[...]`` f32."""
     return jnp.einsum("...E,E->...", h.astype(jnp.float32), self.kernel[...]) + self.bias[...]
 
 
@@ -895,6 +905,8 @@ def token_log_probs(logits: jax.Array, tokens: jax.Array, *, temperature: float 
 def sequence_log_probs(model: DecoderLM, tokens: jax.Array, attention_mask: jax.Array,
                        *, temperature: float = 1.0) -> jax.Array:
   """Log-probs of each token given its prefix: ``[B, T]`` f32, entry ``t`` scores ``tokens[:, t]``.
+
+  ``tokens [B, T]`` int32 and ``attention_mask [B, T]`` (1 for real tokens, left padding 0).
 
   Entries without a real previous token (position 0, the first real token after left padding)
   and padding entries are 0. This is what a trainer uses to re-score sampled responses (policy,

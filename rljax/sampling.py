@@ -110,6 +110,7 @@ class SamplingConfig:
 
   @property
   def greedy(self) -> bool:
+    """Whether decoding takes the argmax token (``temperature == 0``)."""
     return self.temperature == 0.0
 
   @classmethod

@@ -213,6 +213,7 @@ class Trainer:
 
   @property
   def env_steps_per_chunk(self) -> int:
+    """Environment steps one training chunk takes (``iterations_per_chunk`` iterations)."""
     return self.iterations_per_chunk * self.config.env_steps_per_iteration
 
   def init(self, params) -> tuple[TrainState, Any]:
@@ -406,6 +407,9 @@ class Trainer:
   @functools.cached_property
   def train_chunk(self) -> Callable:
     """``(ts, env_state) -> (ts, env_state, metrics)`` over ``iterations_per_chunk``.
+
+    ``env_state`` leaves are batched ``[num_envs, ...]``; ``metrics`` maps names (``loss``,
+    ``pg_loss``, ``sps`` inputs, ...) to scalars ``[]`` f32 averaged over the chunk.
 
     One jitted ``lax.scan``, which donates the train state and environment state; or,
     where `overlaps_value_update`, an `OverlappedChunk` with the same interface.
@@ -807,6 +811,8 @@ class OverlappedChunk:
                                          self._finish))
 
   def __call__(self, ts: TrainState, env_state):
+    """``(ts, env_state) -> (ts, env_state, metrics)``, as `Trainer.train_chunk`: the new
+    state after ``iterations_per_chunk`` iterations and the chunk's scalar metrics ``[]``."""
     # One layout inside the chunk, the one `lower` compiles for, so each program compiles once.
     sharding = self._device_sharding
     if sharding is not None:
