@@ -409,7 +409,8 @@ class Trainer:
     """``(ts, env_state) -> (ts, env_state, metrics)`` over ``iterations_per_chunk``.
 
     ``env_state`` leaves are batched ``[num_envs, ...]``; ``metrics`` maps names (``loss``,
-    ``pg_loss``, ``sps`` inputs, ...) to scalars ``[]`` f32 averaged over the chunk.
+    ``pg_loss``, ``train/reward_per_step``, ...) to scalars ``[]`` f32: means over the chunk's
+    iterations, maxima for the ``nonfinite/`` flags, and ``nonfinite/skipped_updates``.
 
     One jitted ``lax.scan``, which donates the train state and environment state; or,
     where `overlaps_value_update`, an `OverlappedChunk` with the same interface.
