@@ -651,9 +651,10 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
       length_buckets=buckets, log_every=50, seed=config.seed), pad_id=tok.pad_token_id,
       eval_pairs=ho, writer=writer, layout=layout)
   ev = h[-1]
-  log(f"reward model: held-out accuracy {ev['rm/eval_accuracy']:.3f} "
-      f"(95% CI {ev['rm/eval_accuracy_ci_low']:.3f}-{ev['rm/eval_accuracy_ci_high']:.3f}, "
-      f"n={len(ho)})")
+  if stop_after != "rm":  # train_reward_model.py prints it in its summary line
+    log(f"reward model: held-out accuracy {ev['rm/eval_accuracy']:.3f} "
+        f"(95% CI {ev['rm/eval_accuracy_ci_low']:.3f}-{ev['rm/eval_accuracy_ci_high']:.3f}, "
+        f"n={len(ho)})")
   t_rm = time.perf_counter()
   if stop_after == "rm":
     if writer is not None:
