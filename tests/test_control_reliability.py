@@ -171,6 +171,24 @@ def test_start_that_saved_no_checkpoint_does_not_bind_the_next_run(tmp_path):
   assert ckpt.read_config(logdir)["control"]["seed"] == 0
 
 
+def test_script_nonfinite_halt_exits_3_with_the_last_good_state(tmp_path, cache):
+  # reward_scaling 1e38 overflows the scaled returns to inf: the first chunk's updates are all
+  # skipped (its state is the last good one), and --nonfinite=halt stops the script with
+  # status 3 after checkpointing that chunk.
+  logdir = str(tmp_path / "run")
+  settings = dict(SETTINGS, num_evals=3, reward_scaling=1e38)
+  out = subprocess.run([sys.executable, SCRIPT, f"--logdir={logdir}", "--noprogress",
+                        f"--compilation_cache_dir={cache}", "--nonfinite=halt",
+                        *_flags(settings)], capture_output=True, text=True, timeout=600)
+  assert out.returncode == 3, out.stderr[-3000:]
+  assert "error: non-finite loss_or_grad in chunk 1" in out.stderr, out.stderr[-3000:]
+  assert "halted with the last good state checkpointed" in out.stderr
+  assert "Traceback" not in out.stderr
+  assert ckpt.newest_step(logdir) == 1
+  _, params, _ = trainer.load_params(logdir, step=1)  # no non-finite update was applied
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+
+
 class _NaNRewardAt:
   """Wraps a Playground env: the reward is NaN at physics time step ``k`` only."""
 
