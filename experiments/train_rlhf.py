@@ -244,7 +244,8 @@ def report(pipeline, config, logdir, **kw) -> None:
     s = pipeline.run_embedded(config, logdir=logdir, log=runtime.primary_print, **kw)
     runtime.primary_print(
         f"embedded {_ALGO.value}: mean reward {s['reward_first']:.3f} (first "
-        f"{_steps(s['summary_steps'])}) -> {s['reward_last']:.3f} (last {s['summary_steps']}); KL last {s['kl_last']:.3f}, max {s['kl_max']:.3f}; "
+        f"{_steps(s['summary_steps'])}) -> {s['reward_last']:.3f} (last {s['summary_steps']}); "
+        f"KL last {s['kl_last']:.3f}, max {s['kl_max']:.3f}; "
         f"{_accuracy(s['accuracy_before'], s['accuracy_after'])}; "
         f"wall {s['wall_s']:.0f} s; logdir {logdir}")
   else:

@@ -37,9 +37,9 @@ def _digest(tree):
   import jax
   import numpy as np
 
-  from rljax.alignment.rlhf import _to_host
+  from rljax.runtime import to_host
 
-  return [np.asarray(x, np.float64) for x in jax.tree.leaves(_to_host(tree))]
+  return [np.asarray(x, np.float64) for x in jax.tree.leaves(to_host(tree))]
 
 
 def control(mesh):

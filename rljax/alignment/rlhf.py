@@ -382,11 +382,6 @@ def _batch_names(ndim: int) -> tuple[str | None, ...]:
   return ("batch",) + (None,) * (ndim - 1)
 
 
-def _to_host(tree):
-  """`rljax.runtime.to_host`: numpy leaves, all-gathered across processes where needed."""
-  return runtime.to_host(tree)
-
-
 def _mean_coef(penalty_fn):
   """Uses the minibatch's (constant) ``kl_coef`` row as the scalar coefficient."""
 
@@ -516,7 +511,7 @@ class RLHFTrainer:
       if scores.shape != (len(prompt_ids),):
         raise ValueError(f"reward_fn returned shape {scores.shape}, expected ({len(prompt_ids)},)")
     else:
-      scores = _to_host(self._reward_model_fn(
+      scores = runtime.to_host(self._reward_model_fn(
           self._frozen_params(Role.REWARD),
           *self._inputs(Role.REWARD, (out.prompt_tokens, out.prompt_mask, out.tokens, mask))))
     return scores
@@ -689,7 +684,7 @@ class RLHFTrainer:
     t = time.perf_counter()
     kl_coef = self.state.kl_state.kl_coef
     ppo_state, metrics, extras = self._update_fn(self.state.ppo_state, batch, upd_key, kl_coef)
-    metrics = _to_host(metrics)
+    metrics = runtime.to_host(metrics)
     timing["timing/update"] = time.perf_counter() - t
 
     skipped = bool(metrics["nonfinite/skipped"] > 0)
@@ -697,7 +692,7 @@ class RLHFTrainer:
                 self.kl_controller.update(self.state.kl_state, metrics["kl"], cfg.batch_size))
     num_skipped = self.state.skipped_updates + int(skipped)
     self.state = RLHFState(ppo_state, kl_state, self.state.step + 1, pos, key, num_skipped)
-    self.last_batch = dict(_to_host(batch), **_to_host(extras))
+    self.last_batch = dict(runtime.to_host(batch), **runtime.to_host(extras))
 
     lengths = out.lengths
     rec = {
