@@ -118,6 +118,12 @@ def _serialize_cpu_collectives() -> None:
     os.environ["XLA_FLAGS"] = f"{current} {_CPU_SCHEDULER_FLAG}".strip()
 
 
+def _say_connecting(who: str, config: DistributedConfig) -> None:
+  """JAX waits silently for the other processes (and then aborts the process), so say so."""
+  print(f"rljax.sharding.distributed: {who}; waiting up to {config.initialization_timeout_s} s "
+        f"for all processes (--initialization_timeout_s)", file=sys.stderr, flush=True)
+
+
 def initialize(config: DistributedConfig | None = None) -> bool:
   """Starts JAX's multi-process runtime if this is a multi-process run.
 
@@ -143,19 +149,15 @@ def initialize(config: DistributedConfig | None = None) -> bool:
   if config.num_processes is not None:
     if config.num_processes == 1:
       return False
-    # JAX waits silently for the other processes (and then aborts the process), so say so.
-    print(f"rljax.sharding.distributed: process {config.process_id} of {config.num_processes} "
-          f"connecting to {config.coordinator_address}; waiting up to "
-          f"{config.initialization_timeout_s} s for all processes (--initialization_timeout_s)",
-          file=sys.stderr, flush=True)
+    _say_connecting(f"process {config.process_id} of {config.num_processes} connecting to "
+                    f"{config.coordinator_address}", config)
     jax.distributed.initialize(
         coordinator_address=config.coordinator_address, num_processes=config.num_processes,
         process_id=config.process_id, **kwargs)
   elif under_slurm():
-    print(f"rljax.sharding.distributed: SLURM task {os.environ.get('SLURM_PROCID', '?')} of "
-          f"{os.environ.get('SLURM_NTASKS', '?')} connecting (JAX's SLURM detection); waiting up "
-          f"to {config.initialization_timeout_s} s for all processes (--initialization_timeout_s)",
-          file=sys.stderr, flush=True)
+    _say_connecting(f"SLURM task {os.environ.get('SLURM_PROCID', '?')} of "
+                    f"{os.environ.get('SLURM_NTASKS', '?')} connecting (JAX's SLURM detection)",
+                    config)
     jax.distributed.initialize(**kwargs)  # JAX detects SLURM itself
   else:
     return False

@@ -611,7 +611,8 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
     meta = checkpointing.load_frozen(logdir, {"reference": model, "reward": rm_model})
     log(f"loaded the SFT and reward models from {checkpointing.frozen_dir(logdir)}")
     return _preference_rl(config, tok, prompts, model, rm_model, meta, logdir=logdir,
-                          tokenizer_dir=_tokenizer_dir(config, logdir), writer=writer, log=log, placement=placement, t0=t0,
+                          tokenizer_dir=_tokenizer_dir(config, logdir), writer=writer, log=log,
+                          placement=placement, t0=t0,
                           num_pairs=len(pairs), checkpoint_every=checkpoint_every,
                           keep_checkpoints=keep_checkpoints, resume=resume, sigterm=sigterm)
   if config.pretrain_steps and pretrained is None:
@@ -680,7 +681,8 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
     checkpointing.save_frozen(logdir, {"reference": model, "reward": rm_model}, meta)
   return _preference_rl(config, tok, prompts, model, rm_model, meta, logdir=logdir,
                         tokenizer_dir=tokenizer_dir, writer=writer, log=log, placement=placement,
-                        t0=t0, num_pairs=len(pairs), checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
+                        t0=t0, num_pairs=len(pairs), checkpoint_every=checkpoint_every,
+                        keep_checkpoints=keep_checkpoints,
                         resume=resume, sigterm=sigterm, use_ckpt=use_ckpt)
 
 

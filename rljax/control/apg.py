@@ -628,9 +628,10 @@ def train_apg(config: APGConfig, logdir: str | None = None, *, progress: bool = 
     ValueError: ``logdir`` already holds checkpoints (APG runs do not resume).
   """
   t_start = time.perf_counter()
-  if logdir is not None and checkpoints and ckpt.newest_step(logdir) is not None:
+  newest = ckpt.newest_step(logdir) if logdir is not None and checkpoints else None
+  if newest is not None:
     raise ValueError(
-        f"{logdir!r} already holds checkpoints (step {ckpt.newest_step(logdir)}); APG runs "
+        f"{logdir!r} already holds checkpoints (step {newest}); APG runs "
         f"do not resume: use a new --logdir."
     )
   trainer, params = make_apg_trainer(config)

@@ -969,7 +969,8 @@ def train(
   use_ckpt = logdir is not None and checkpoints
   # A saved config binds only a run that saved state (a run stopped before its first
   # checkpoint, e.g. while compiling, does not refuse the next command in its logdir).
-  if use_ckpt and resume and ckpt.newest_step(logdir) is not None:
+  newest = ckpt.newest_step(logdir) if use_ckpt and resume else None
+  if newest is not None:
     _check_same_config(logdir, config)
   trainer, params = make_trainer(config, mesh=mesh)
   # The train chunk and the evaluation compile on two more threads, from the state's
@@ -983,7 +984,7 @@ def train(
   # A run whose newest checkpoint is its last chunk has nothing left to train, so nothing is
   # compiled ahead (if that checkpoint turns out unreadable, the chunk restored instead
   # compiles on its first call).
-  finished = use_ckpt and resume and ckpt.newest_step(logdir) == trainer.num_chunks
+  finished = newest == trainer.num_chunks
   eval_key = jax.random.PRNGKey(config.seed + 10_000)
   chunk_compiled = eval_compiled = None
   if not finished:
