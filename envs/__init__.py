@@ -196,32 +196,48 @@ class RecordFinalObs:
 
 
 class TraceOnce:
-  """``env`` with its ``reset`` and ``step`` under ``jax.jit``, so each is traced once per
-  input structure.
+  """``env`` with its ``reset`` and ``step`` under ``jax.jit``, so each is traced once.
 
   JAX caches a jitted function's trace per input shape and structure, and ``vmap`` traces a
   jitted function at the unbatched shapes. Every computation built on this wrapper (the
   observation-size probe, the batched reset, the train chunk and the evaluation, at any
   number of environments) therefore reuses one trace of ``reset`` instead of re-running
-  MJX's Python for each; ``step`` is traced once per state structure (Brax's
-  ``EvalWrapper`` adds a ``reward`` metric, so the evaluation's states have their own).
-  XLA inlines the nested calls, so the compiled programs compute the same values. Other
-  attributes are the wrapped environment's.
+  MJX's Python for each.
+
+  ``step`` is traced once too. The wrappers above this one add their own keys to
+  ``state.info`` and ``state.metrics`` (Brax's ``EvalWrapper`` adds ``eval_metrics`` and a
+  ``reward`` metric), which would give the training and the evaluation states different
+  structures and each its own trace of MJX's Python. The jitted step sees only the keys
+  the environment's own ``reset`` returns; the wrappers' keys pass around it unchanged,
+  as every Brax wrapper requires of the environment it wraps. XLA inlines the nested
+  calls, so the compiled programs compute the same values. Other attributes are the
+  wrapped environment's.
   """
 
   def __init__(self, env):
     self.env = env
     self._reset = jax.jit(env.reset)
     self._step = jax.jit(env.step)
+    self._own_keys: tuple[frozenset, frozenset] | None = None  # (info, metrics) of reset
 
   def reset(self, rng):
-    return self._reset(rng)
+    state = self._reset(rng)
+    self._own_keys = (frozenset(state.info), frozenset(state.metrics))
+    return state
 
   def step(self, state, action):
-    return self._step(state, action)
+    if self._own_keys is None:  # a state that did not come from this wrapper's reset
+      return self._step(state, action)
+    own_info, own_metrics = self._own_keys
+    split = lambda d, own: ({k: v for k, v in d.items() if k in own},  # noqa: E731
+                            {k: v for k, v in d.items() if k not in own})
+    (info, info_extra), (metrics, metrics_extra) = (
+        split(state.info, own_info), split(state.metrics, own_metrics))
+    out = self._step(state.replace(info=info, metrics=metrics), action)
+    return out.replace(info={**info_extra, **out.info}, metrics={**metrics_extra, **out.metrics})
 
   def __getattr__(self, name):
-    if name in ("env", "_reset", "_step"):  # not set yet (e.g. while unpickling)
+    if name in ("env", "_reset", "_step", "_own_keys"):  # not set yet (e.g. while unpickling)
       raise AttributeError(name)
     return getattr(self.env, name)
 

@@ -105,8 +105,8 @@ def test_wrap_rejects_bad_episode_length():
 
 def test_trace_once_traces_once_and_steps_identically():
   """`TraceOnce` runs the environment's Python once for ``reset`` whatever the batch size and
-  wrapper chain on top (probe, training, evaluation), and once for ``step`` per state
-  structure; it keeps Playground's auto-reset wrapper and gives the trajectories of the
+  wrapper chain on top (probe, training, evaluation), and once for ``step`` (the evaluation's
+  extra keys pass around it); it keeps Playground's auto-reset wrapper and gives the trajectories of the
   unwrapped environment."""
   import functools
 
@@ -146,11 +146,11 @@ def test_trace_once_traces_once_and_steps_identically():
   assert jax.eval_shape(traced.reset, jax.random.PRNGKey(0)).obs.shape == (5,)
   obs_train = jax.jit(functools.partial(roll, train, 4))()
   obs_eval = jax.jit(functools.partial(roll, evaluation, 2))()
-  # Without TraceOnce: 3 resets and 2 steps. EvalWrapper's extra "reward" metric gives the
-  # evaluation's states their own structure, hence their own trace of step.
-  assert calls == {"reset": 1, "step": 2}
+  # Without TraceOnce: 3 resets and 2 steps (EvalWrapper's "eval_metrics" and "reward" give
+  # the evaluation's states their own structure, hence their own trace of step).
+  assert calls == {"reset": 1, "step": 1}
   jax.jit(functools.partial(roll, train, 8))()  # another batch size: no new trace
-  assert calls == {"reset": 1, "step": 2}
+  assert calls == {"reset": 1, "step": 1}
   reference = envs.wrap_for_training(raw, episode_length=5)
   np.testing.assert_array_equal(obs_train, jax.jit(functools.partial(roll, reference, 4))())
   reference_eval = brax_training.EvalWrapper(envs.wrap_for_training(raw, episode_length=5))

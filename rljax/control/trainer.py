@@ -973,10 +973,13 @@ def train(
   if newest is not None:
     _check_same_config(logdir, config)
   trainer, params = make_trainer(config, mesh=mesh)
-  # The train chunk and the evaluation compile on two more threads, from the state's
+  # The train chunk and then the evaluation compile on one more thread, from the state's
   # abstract shapes, while the environments reset here. Tracing and lowering are Python and
   # hold the GIL, so they run here one after another, the train chunk's (the longest
-  # compile) first; XLA's compiles release it and run beside them. (Lowered on three threads
+  # compile) first; XLA's compiles release it and run beside them. (The two compiling side
+  # by side on two threads, beside the reset's, took 8-11% more CPU and started training
+  # 1.1-1.5 s later on CartpoleBalance at Brax's settings, 1.7 s on CheetahRun and 3.5 s on
+  # brax/ant: XLA's compiles already use both cores. Lowered on three threads
   # at once, the chunk started compiling 4.3 s after the abstract state instead of 1.2 s:
   # CartpoleBalance at Brax's settings, 2 cores.) The jitted functions then reuse the
   # executables (a call with other shapes or shardings would compile again;
@@ -988,7 +991,7 @@ def train(
   eval_key = jax.random.PRNGKey(config.seed + 10_000)
   chunk_compiled = eval_compiled = None
   if not finished:
-    compile_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="rljax-compile")
+    compile_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rljax-compile")
     abstract_ts, abstract_env = trainer.abstract_state(params)  # the reset's one trace
     chunk_compiled = compile_pool.submit(
         trainer.train_chunk.lower(abstract_ts, abstract_env).compile)
