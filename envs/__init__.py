@@ -195,6 +195,11 @@ class RecordFinalObs:
     return getattr(self.env, name)
 
 
+def _split_keys(d: dict, own: frozenset) -> tuple[dict, dict]:
+  """``(the entries of d whose keys are in own, the others)``."""
+  return {k: v for k, v in d.items() if k in own}, {k: v for k, v in d.items() if k not in own}
+
+
 class TraceOnce:
   """``env`` with its ``reset`` and ``step`` under ``jax.jit``, so each is traced once.
 
@@ -226,13 +231,10 @@ class TraceOnce:
     return state
 
   def step(self, state, action):
-    if self._own_keys is None:  # a state that did not come from this wrapper's reset
+    if self._own_keys is None:  # a step before any reset: the whole state goes in
       return self._step(state, action)
-    own_info, own_metrics = self._own_keys
-    split = lambda d, own: ({k: v for k, v in d.items() if k in own},  # noqa: E731
-                            {k: v for k, v in d.items() if k not in own})
-    (info, info_extra), (metrics, metrics_extra) = (
-        split(state.info, own_info), split(state.metrics, own_metrics))
+    info, info_extra = _split_keys(state.info, self._own_keys[0])
+    metrics, metrics_extra = _split_keys(state.metrics, self._own_keys[1])
     out = self._step(state.replace(info=info, metrics=metrics), action)
     return out.replace(info={**info_extra, **out.info}, metrics={**metrics_extra, **out.metrics})
 

@@ -106,8 +106,8 @@ def test_wrap_rejects_bad_episode_length():
 def test_trace_once_traces_once_and_steps_identically():
   """`TraceOnce` runs the environment's Python once for ``reset`` whatever the batch size and
   wrapper chain on top (probe, training, evaluation), and once for ``step`` (the evaluation's
-  extra keys pass around it); it keeps Playground's auto-reset wrapper and gives the trajectories of the
-  unwrapped environment."""
+  extra keys pass around it); it keeps Playground's auto-reset wrapper and gives the
+  trajectories of the unwrapped environment."""
   import functools
 
   from brax.envs.wrappers import training as brax_training
