@@ -6,7 +6,9 @@ For one environment it runs, back to back:
 
 1. rljax's trainer with the *same settings* as step 2 (environment, ``num_envs``,
    ``unroll_length``, batch, minibatches, updates per batch, network sizes and the policy's
-   initialisation, evaluations and how they act, timesteps);
+   initialisation, evaluations and how they act, timesteps), and Brax's order of work where
+   rljax's default differs: the normaliser learns each rollout before its update, and GAE is
+   computed inside each minibatch's loss (``--nogae_per_minibatch``: once per iteration);
 2. Brax's own trainer, ``brax.training.agents.ppo.train``, as its users run it
    (Playground environments wrapped with Playground's ``wrap_for_brax_training``);
 3. rljax again with its own default config for the environment;
@@ -40,6 +42,11 @@ _TIMESTEPS = flags.DEFINE_integer("num_timesteps", 1_500_000, "Timesteps of the 
 _OUT = flags.DEFINE_string("out", None, "Write the JSON result here.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the identical-settings runs (both trainers).")
 _SKIP_DEFAULT = flags.DEFINE_bool("skip_default", False, "Skip the rljax-default run.")
+_GAE_PER_MINIBATCH = flags.DEFINE_bool(
+    "gae_per_minibatch", True,
+    "The identical-settings rljax run computes GAE inside each minibatch's loss, as Brax does "
+    "(ControlConfig.gae_per_minibatch); false computes it once per iteration before the "
+    "update, rljax's default.")
 _DEFAULT_TIMESTEPS = flags.DEFINE_integer(
     "default_num_timesteps", None,
     "Timesteps of the rljax-default run (default: --num_timesteps); only its steady "
@@ -92,7 +99,7 @@ def identical_settings(env: str, num_envs: int, num_timesteps: int, seed: int = 
   )
 
 
-def rljax_config_from(env: str, s: dict, episode_length: int):
+def rljax_config_from(env: str, s: dict, episode_length: int, gae_per_minibatch: bool = True):
   from rljax.control.config import ControlConfig
   from rljax.models import mlp
 
@@ -113,6 +120,9 @@ def rljax_config_from(env: str, s: dict, episode_length: int):
       normalize_observations=s["normalize_observations"],
       # Brax folds each rollout into its normaliser before the update that uses it.
       obs_stats_before_update=True,
+      # Brax computes GAE inside each minibatch's loss from the value forward the loss
+      # makes, with the value network as that step finds it (no separate value pass).
+      gae_per_minibatch=gae_per_minibatch,
       num_evals=s["num_evals"],
       num_eval_envs=s["num_eval_envs"],
       policy_hidden=s["policy_hidden_layer_sizes"],
@@ -137,6 +147,7 @@ def run_rljax(config) -> dict:
   return dict(
       sps=statistics.median(sps),
       wall_s=result.wall_s,
+      compile_s=result.compile_s,
       final_reward=result.history[-1]["eval/episode_reward"],
       env_steps=result.history[-1]["env_steps"],
   )
@@ -239,7 +250,7 @@ def main(argv):
   episode_length = envs.default_episode_length(env_name)
   s = identical_settings(env_name, _NUM_ENVS.value, _TIMESTEPS.value, _SEED.value)
   print(f"[{env_name}] identical settings: {s}", flush=True)
-  ours = run_rljax(rljax_config_from(env_name, s, episode_length))
+  ours = run_rljax(rljax_config_from(env_name, s, episode_length, _GAE_PER_MINIBATCH.value))
   print(f"  rljax (identical): {ours}", flush=True)
   brax = run_brax(env_name, s, episode_length)
   print(f"  brax  (identical): {brax}", flush=True)
@@ -270,10 +281,12 @@ def main(argv):
       physics_limit_default_xla_sps=limit_default,
       physics_limit_rljax_options_sps=limit_rljax,
       rljax_wall_s=ours["wall_s"],
+      rljax_compile_s=ours["compile_s"],
       brax_wall_s=brax["wall_s"],
       ratio_vs_brax=ours["sps"] / brax["sps"],
       wall_ratio_vs_brax=brax["wall_s"] / ours["wall_s"],
       fraction_of_limit=default["sps"] / limit if default else None,
+      rljax_gae_per_minibatch=_GAE_PER_MINIBATCH.value,
       rljax_final_reward=ours["final_reward"],
       brax_final_reward=brax["final_reward"],
       rljax_default_final_reward=default["final_reward"] if default else None,

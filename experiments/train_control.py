@@ -106,6 +106,9 @@ _HELP = {
     "overlap_value_update": "Update the value network on a second thread beside the next "
                             "rollout (same PPO up to rounding; default on for CheetahRun; one "
                             "process, one device, no max_grad_norm).",
+    "gae_per_minibatch": "Compute GAE inside each minibatch's loss with the current value "
+                         "network, as Brax does (saves a value pass per iteration; default "
+                         "false; not with overlap_value_update or num_microbatches > 1).",
     "horizon_length": "APG: steps per policy update (the differentiated rollout).",
     "truncation_length": "APG: gradients flow back at most this many steps (0 = horizon_length).",
     "num_updates": "APG: policy updates in the run.",

@@ -354,15 +354,20 @@ ApplyFn = Callable[[PyTree, Mapping[str, Array]], tuple[Array, Array, Array]]
 
 PenaltyFn = Callable[[PyTree, Mapping[str, Array], Array, Array], tuple[Array, dict[str, Array]]]
 
+AdvantageFn = Callable[[PyTree, Mapping[str, Array], Array], tuple[Array, Array]]
+
 # Keys of the batch that ``ppo_update`` reads besides what ``apply_fn`` reads.
 BATCH_KEYS = ("log_probs", "values", "advantages", "returns", "mask")
+# The keys an ``advantage_fn`` computes in each minibatch instead (see `ppo_update`).
+ADVANTAGE_FN_KEYS = ("values", "advantages", "returns")
 
 
 def _check_batch(batch: Mapping[str, Array], num_minibatches: int,
-                 num_microbatches: int = 1) -> int:
-  missing = [k for k in BATCH_KEYS if k not in batch]
+                 num_microbatches: int = 1, *, computes: tuple[str, ...] = ()) -> int:
+  needed = [k for k in BATCH_KEYS if k not in computes]
+  missing = [k for k in needed if k not in batch]
   if missing:
-    raise KeyError(f"ppo_update: batch is missing keys {missing}; it needs {list(BATCH_KEYS)}.")
+    raise KeyError(f"ppo_update: batch is missing keys {missing}; it needs {needed}.")
   sizes = {x.shape[0] for x in jax.tree.leaves(batch)}
   if len(sizes) != 1:
     raise ValueError(f"ppo_update: batch leaves have different leading sizes {sorted(sizes)}.")
@@ -388,6 +393,7 @@ def ppo_update(
     optimizer: optax.GradientTransformation,
     config: PPOConfig,
     penalty_fn: PenaltyFn | None = None,
+    advantage_fn: AdvantageFn | None = None,
 ) -> tuple[PPOState, dict[str, Array]]:
   """``num_epochs x num_minibatches`` steps of SGD on the PPO loss, inside ``lax.scan``.
 
@@ -413,6 +419,17 @@ def ppo_update(
       2024, eq. 3: ``loss += beta * agg(k(log pi, log pi_ref))``). With
       ``config.num_microbatches > 1`` it sees one part at a time and must aggregate
       with ``aggregate_loss(..., config.loss_aggregation)`` for the sum to be exact.
+    advantage_fn: optional ``advantage_fn(params, minibatch, values) -> (advantages,
+      returns)``, each shaped like ``minibatch['mask']``: estimates the advantages inside
+      each minibatch's loss from the ``values`` that ``apply_fn`` just computed (passed
+      through ``stop_gradient``) and the current ``params``, as Brax's PPO computes GAE
+      in its loss. The batch then needs no ``values``, ``advantages`` or ``returns``
+      (`ADVANTAGE_FN_KEYS`), the minibatches must be whole sequences (``[N, T]``
+      leaves), and a step's advantages come from the value network as that step finds
+      it, not as the rollout left it. It saves the separate value pass over the batch.
+      Incompatible with ``config.value_clip_eps`` (no rollout values to clip to) and
+      ``config.num_microbatches > 1`` (advantages are whitened over the minibatch
+      before it is split).
 
   Returns:
     ``(new_state, metrics)``; metrics are means over all minibatch steps of the
@@ -426,15 +443,33 @@ def ppo_update(
 
   Raises:
     KeyError: a required batch key is missing.
-    ValueError: the leading sizes differ, ``num_minibatches`` does not divide them, or
-      ``num_microbatches`` does not divide the minibatch size.
+    ValueError: the leading sizes differ, ``num_minibatches`` does not divide them,
+      ``num_microbatches`` does not divide the minibatch size, or ``advantage_fn`` is
+      given with ``value_clip_eps`` or ``num_microbatches > 1``.
   """
-  n = _check_batch(batch, config.num_minibatches, config.num_microbatches)
+  if advantage_fn is not None:
+    if config.value_clip_eps is not None:
+      raise ValueError(
+          f"ppo_update: advantage_fn cannot be combined with value_clip_eps="
+          f"{config.value_clip_eps} (there are no rollout values to clip to); use None.")
+    if config.num_microbatches > 1:
+      raise ValueError(
+          f"ppo_update: advantage_fn needs num_microbatches=1, got {config.num_microbatches}.")
+  n = _check_batch(batch, config.num_minibatches, config.num_microbatches,
+                   computes=ADVANTAGE_FN_KEYS if advantage_fn is not None else ())
   mb = n // config.num_minibatches
 
   def make_loss_fn(loss_config: PPOConfig):
     def loss_fn(params, minibatch):
       log_probs, values, entropy = apply_fn(params, minibatch)
+      if advantage_fn is not None:
+        # No tangents in: autodiff then leaves the advantages' computation alone (with live
+        # params it would linearise a bootstrap pass only to discard its tangents).
+        old_values = jax.lax.stop_gradient(values)
+        advantages, returns = advantage_fn(jax.lax.stop_gradient(params), minibatch, old_values)
+        minibatch = dict(minibatch, values=old_values,
+                         advantages=jax.lax.stop_gradient(advantages),
+                         returns=jax.lax.stop_gradient(returns))
       loss, metrics = ppo_loss(
           log_probs,
           minibatch["log_probs"],

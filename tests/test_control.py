@@ -47,6 +47,10 @@ TINY = dict(
         (dict(policy_init_scale=-1.0), "policy_init_scale must be > 0, got -1.0"),
         (dict(overlap_value_update=True, max_grad_norm=1.0),
          r"overlap_value_update needs max_grad_norm=None .* got max_grad_norm=1.0"),
+        (dict(gae_per_minibatch=True, overlap_value_update=True),
+         r"gae_per_minibatch needs overlap_value_update=False .* got overlap_value_update=True"),
+        (dict(gae_per_minibatch=True, num_microbatches=2),
+         r"gae_per_minibatch needs num_microbatches=1 .* got num_microbatches=2"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, match):
@@ -235,12 +239,13 @@ def test_bootstrap_values_skip_the_second_value_pass_only_when_exact():
   values = trainer.value_apply(t.networks, ts.params, obs_n)
   full = trainer.value_apply(
       t.networks, ts.params, running_stats.normalize(ts.obs_stats, data["final_obs"]))
-  boot = jax.jit(t._bootstrap_values)(ts.params, ts.obs_stats, data, values)
+  final_n = running_stats.normalize(ts.obs_stats, data["final_obs"])
+  boot = jax.jit(t._bootstrap_values)(ts.params, final_n, data["truncation"], values)
   np.testing.assert_allclose(boot, full, rtol=1e-6, atol=1e-6)
   # A truncation at step 2 whose pre-reset observation differs from the next obs.
   moved = data["final_obs"].at[:, 2].add(1.0)
-  truncated = dict(data, final_obs=moved, truncation=data["truncation"].at[:, 2].set(True))
-  boot = jax.jit(t._bootstrap_values)(ts.params, ts.obs_stats, truncated, values)
+  boot = jax.jit(t._bootstrap_values)(ts.params, running_stats.normalize(ts.obs_stats, moved),
+                                      data["truncation"].at[:, 2].set(True), values)
   expected = trainer.value_apply(
       t.networks, ts.params, running_stats.normalize(ts.obs_stats, moved))
   np.testing.assert_allclose(boot, expected, rtol=1e-6, atol=1e-6)
@@ -437,6 +442,44 @@ def test_microbatches_train_the_same_policy():
   moved = jax.tree.map(lambda x, y: float(jnp.max(jnp.abs(x - y))), a.train_state.params,
                        trainer.make_trainer(config)[1])
   assert max(jax.tree.leaves(moved)) > 1e-3  # it trained
+
+
+def test_gae_per_minibatch_in_one_minibatch_equals_gae_before_the_update():
+  """``gae_per_minibatch`` computes GAE in each minibatch's loss with the value network as
+  that SGD step finds it. With one epoch of one minibatch that is the network the rollout
+  left, so a chunk of 8 iterations (episodes of 50 steps truncate inside the 7th 8-step
+  segment, so both bootstrap branches run) trains the default chunk's parameters to float
+  rounding, without the value pass over the batch. With two epochs the second uses the
+  updated value network, and the parameters differ."""
+  base = dict(TINY, num_minibatches=1, num_epochs=1, num_timesteps=8 * 16 * 8, num_evals=2)
+  out = {}
+  for gae in (False, True):
+    t, params = trainer.make_trainer(ControlConfig(**base, gae_per_minibatch=gae))
+    assert t.iterations_per_chunk == 8
+    start = jax.tree.map(np.asarray, params)
+    out[gae] = t.train_chunk(*t.init(params))  # donates its input
+  (a, _, ma), (b, _, mb) = out[False], out[True]
+  chex.assert_trees_all_close(b.params, a.params, atol=1e-5, rtol=1e-5)
+  for k in ("pg_loss", "vf_loss", "entropy", "approx_kl"):
+    np.testing.assert_allclose(mb[k], ma[k], rtol=1e-4, atol=1e-6, err_msg=k)
+  assert float(mb["ratio_first"]) == 1.0
+  moved = jax.tree.map(lambda x, y: float(jnp.max(jnp.abs(x - y))), a.params, start)
+  assert max(jax.tree.leaves(moved)) > 1e-3  # it trained
+  # Two epochs at a high learning rate: the second epoch's advantages come from the value
+  # network the first one trained, and one iteration already trains other parameters.
+  two = dict(base, num_epochs=2, learning_rate=3e-2)
+  new = {}
+  for gae in (False, True):
+    t, params = trainer.make_trainer(ControlConfig(**two, gae_per_minibatch=gae))
+    (new[gae], _), _ = jax.jit(t._iteration)(t.init(params), None)
+  gaps = jax.tree.map(lambda x, y: float(jnp.max(jnp.abs(x - y))), new[True].params,
+                      new[False].params)
+  assert max(jax.tree.leaves(gaps)) > 1e-3
+  # The update's batch holds no values then: the chunk makes no value pass of its own.
+  ts, env_state = t.init(params)
+  _, data = jax.jit(t._collect)(ts.params, ts.obs_stats, env_state, jax.random.PRNGKey(0))
+  batch, _, _ = t._batch(ts.params, ts.obs_stats, data)
+  assert not {"values", "advantages", "returns"} & set(batch)
 
 
 def test_physics_compiles_without_ynn_fusions():

@@ -1,5 +1,6 @@
 """Gold values for the shared PPO core (rljax/ppo.py), derived by hand in comments."""
 
+import functools
 import math
 
 import jax
@@ -327,6 +328,91 @@ def test_ppo_update_rejects_indivisible_minibatch():
   with pytest.raises(ValueError, match=r"minibatch size 6 .* not divisible by num_microbatches=4"):
     ppo.ppo_update(ppo.PPOState({}, ()), batch, jax.random.PRNGKey(0),
                    apply_fn=None, optimizer=optax.sgd(1.0), config=config)
+
+
+def _sequence_case(seed=0):
+  """A softmax policy over 3 actions with a linear value head on ``[8, 6]`` sequences, and
+  an ``advantage_fn`` that runs GAE (gamma 0.9, lambda 0.8) from the loss's values, the
+  next step's value and ``V(final_obs)`` for the last step; plus a function that computes
+  the same advantages, returns and values for the whole batch ahead of the update."""
+  rng = np.random.default_rng(seed)
+  f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+  obs = f32(rng.normal(size=(8, 7, 3)))  # 7 observations: the 6 steps and the last successor
+  params = {"w": jnp.linspace(-1.0, 1.0, 9).reshape(3, 3), "v": jnp.array([0.5, -0.3, 0.8])}
+
+  def apply_fn(p, mb):
+    logp_all = jax.nn.log_softmax(mb["obs"] @ p["w"])
+    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    return logp_all[..., 0], mb["obs"] @ p["v"], entropy
+
+  def advantage_fn(p, mb, values):
+    last = mb["final_obs"] @ p["v"]                                  # [M]
+    bootstrap = jnp.concatenate([values[:, 1:], last[:, None]], axis=1)
+    return ppo.compute_gae(mb["rewards"], values, bootstrap, jnp.ones_like(values),
+                           gamma=0.9, gae_lambda=0.8)
+
+  batch = dict(obs=obs[:, :-1], final_obs=obs[:, -1], rewards=f32(rng.normal(size=(8, 6))),
+               mask=jnp.ones((8, 6)))
+  batch["log_probs"] = apply_fn(params, batch)[0]
+
+  def ahead(p):  # the batch's values, advantages and returns, computed before an update
+    values = apply_fn(p, batch)[1]
+    advantages, returns = advantage_fn(p, batch, values)
+    return dict(batch, values=values, advantages=advantages, returns=returns)
+
+  return params, apply_fn, advantage_fn, batch, ahead
+
+
+def test_advantage_fn_estimates_advantages_with_the_current_value_network():
+  # With advantage_fn, each SGD step computes GAE from the value network as that step finds
+  # it (Brax's PPO). One epoch of one minibatch is then the update with GAE computed ahead
+  # of it; two epochs are two such updates in a row (the minibatch holds the whole batch,
+  # and its loss does not depend on the row order), not two epochs on advantages from the
+  # first values.
+  params, apply_fn, advantage_fn, batch, ahead = _sequence_case()
+  opt = optax.adam(0.05)
+
+  @functools.partial(jax.jit, static_argnames=("epochs", "fn"))
+  def update(state, b, epochs, fn=None, key=0):
+    config = ppo.PPOConfig(num_epochs=epochs, num_minibatches=1, entropy_coef=0.01)
+    return ppo.ppo_update(state, b, jax.random.PRNGKey(key), apply_fn=apply_fn, optimizer=opt,
+                          config=config, advantage_fn=fn)
+
+  start = ppo.PPOState(params, opt.init(params))
+  inside, m_inside = update(start, batch, 1, advantage_fn)
+  outside, m_outside = update(start, ahead(params), 1)
+  for a, b in zip(jax.tree.leaves(outside), jax.tree.leaves(inside)):
+    np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
+  for k in m_outside:
+    np.testing.assert_allclose(m_inside[k], m_outside[k], rtol=1e-6, atol=1e-6, err_msg=k)
+  assert float(m_inside["ratio_first"]) == 1.0
+
+  twice, _ = update(start, batch, 2, advantage_fn)
+  step1, _ = update(start, ahead(params), 1)
+  step2, _ = update(step1, ahead(step1.params), 1, key=1)
+  for a, b in zip(jax.tree.leaves(step2), jax.tree.leaves(twice)):
+    np.testing.assert_allclose(b, a, rtol=0, atol=2e-6)
+  once_ahead, _ = update(start, ahead(params), 2)  # advantages from the first values only
+  assert float(jnp.max(jnp.abs(once_ahead.params["w"] - twice.params["w"]))) > 1e-3
+
+
+def test_advantage_fn_refuses_value_clipping_and_microbatches():
+  params, apply_fn, advantage_fn, batch, _ = _sequence_case()
+  opt = optax.sgd(0.1)
+  state = ppo.PPOState(params, opt.init(params))
+  update = lambda config, b=batch: ppo.ppo_update(  # noqa: E731
+      state, b, jax.random.PRNGKey(0), apply_fn=apply_fn, optimizer=opt, config=config,
+      advantage_fn=advantage_fn)
+  with pytest.raises(ValueError, match=r"advantage_fn cannot be combined with "
+                                       r"value_clip_eps=0.2 .*; use None"):
+    update(ppo.PPOConfig(num_minibatches=2, value_clip_eps=0.2))
+  with pytest.raises(ValueError, match="advantage_fn needs num_microbatches=1, got 2"):
+    update(ppo.PPOConfig(num_minibatches=2, num_microbatches=2))
+  # The batch needs no values, advantages or returns then, but still the rollout's
+  # log-probs and mask.
+  with pytest.raises(KeyError, match=r"missing keys \['log_probs'\]; it needs "
+                                     r"\['log_probs', 'mask'\]"):
+    update(ppo.PPOConfig(num_minibatches=2), {k: v for k, v in batch.items() if k != "log_probs"})
 
 
 @pytest.mark.parametrize(

@@ -284,28 +284,55 @@ class Trainer:
     keys = jax.random.split(key, self.config.unroll_length)
     return jax.lax.scan(step, env_state, keys)
 
-  def _bootstrap_values(self, params, stats, data, values: Array) -> Array:
+  def _bootstrap_values(self, params, final_obs_n: Array, truncation: Array,
+                        values: Array) -> Array:
     """``[N, T]`` values of each step's successor state, ``V(s'_t)``.
 
-    ``s'_t`` is the pre-reset state (``final_obs``). Where step ``t < T - 1`` did not end
-    an episode it is ``s_{t+1}``, whose value is already in ``values[:, t + 1]``; where it
-    ended by termination its discount is 0 and the value is unused. Only truncated steps
-    before the last need ``V(final_obs)``. So the full second value pass runs only in
-    iterations that hold such a step (episodes truncate together, once every
-    ``episode_length / unroll_length`` iterations or so); otherwise only the last step's
-    successors ``[N]`` are evaluated. Both branches give the same values.
+    ``s'_t`` is the pre-reset state (``final_obs_n [N, T, D]``, normalised). Where step
+    ``t < T - 1`` did not end an episode it is ``s_{t+1}``, whose value is already in
+    ``values[:, t + 1]``; where it ended by termination its discount is 0 and the value is
+    unused. Only truncated steps before the last (``truncation [N, T]``) need
+    ``V(final_obs)``. So the full second value pass runs only for batches that hold such a
+    step (episodes truncate together, once every ``episode_length / unroll_length``
+    iterations or so); otherwise only the last step's successors ``[N]`` are evaluated.
+    Both branches give the same values.
     """
     networks = self.networks
 
     def full(_):
-      return value_apply(networks, params, running_stats.normalize(stats, data["final_obs"]))
+      return value_apply(networks, params, final_obs_n)
 
     def shifted(_):
-      last = value_apply(networks, params, running_stats.normalize(stats, data["final_obs"][:, -1]))
+      last = value_apply(networks, params, final_obs_n[:, -1])
       return jnp.concatenate([values[:, 1:], last[:, None]], axis=1)
 
-    needs_full = jnp.any(data["truncation"][:, :-1])
+    needs_full = jnp.any(truncation[:, :-1])
     return jax.lax.cond(needs_full, full, shifted, None)
+
+  def _gae(self, params, steps: dict[str, Array], values: Array) -> tuple[Array, Array]:
+    """``(advantages, returns)`` ``[N, T]`` by `rljax.ppo.compute_gae` for the segments in
+    ``steps`` (``rewards``, ``dones``, ``truncation`` ``[N, T]``, normalised ``final_obs``
+    ``[N, T, D]``) with values ``[N, T]``; successor values from `_bootstrap_values`."""
+    c = self.config
+    truncation = steps["truncation"].astype(jnp.float32)
+    bootstrap = self._bootstrap_values(params, steps["final_obs"], truncation, values)
+    discounts = 1.0 - steps["dones"].astype(jnp.float32) * (1.0 - truncation)
+    return ppo.compute_gae(
+        steps["rewards"] * c.reward_scaling,
+        values,
+        bootstrap,
+        discounts,
+        gamma=c.gamma,
+        gae_lambda=c.gae_lambda,
+        truncation=truncation,
+    )
+
+  def _advantage_fn(self) -> ppo.AdvantageFn | None:
+    """`rljax.ppo.ppo_update`'s ``advantage_fn`` where ``config.gae_per_minibatch``: GAE over
+    the minibatch's segments with the values the loss computed."""
+    if not self.config.gae_per_minibatch:
+      return None
+    return lambda params, minibatch, values: self._gae(params, minibatch, values)
 
   def _collect(self, params, stats, env_state, key_roll: Array):
     """``batch_size / num_envs`` unrolls with the policy in ``params``; leaves ``[N, T, ...]``."""
@@ -324,33 +351,26 @@ class Trainer:
     return env_state, data
 
   def _batch(self, params, stats, data) -> tuple[dict[str, Array], Array, Array]:
-    """Values ``V(s_t)`` and ``V(s'_t)`` under ``params``, GAE, and the update's batch
-    (``[N, T]`` leaves, observations normalised); also whether rewards and observations
-    are all finite (two ``[]`` bools)."""
-    c = self.config
+    """The update's batch (``[N, T]`` leaves, observations normalised) with values
+    ``V(s_t)`` under ``params`` and GAE; or, where ``config.gae_per_minibatch``, with the
+    rewards, flags and normalised ``final_obs`` that `_advantage_fn` computes them from in
+    each minibatch. Also whether rewards and observations are all finite (two ``[]``
+    bools)."""
     obs_n = running_stats.normalize(stats, data["obs"])
-    values = value_apply(self.networks, params, obs_n)
-    bootstrap = self._bootstrap_values(params, stats, data, values)
-    truncation = data["truncation"].astype(jnp.float32)
-    discounts = 1.0 - data["dones"].astype(jnp.float32) * (1.0 - truncation)
-    advantages, returns = ppo.compute_gae(
-        data["rewards"] * c.reward_scaling,
-        values,
-        bootstrap,
-        discounts,
-        gamma=c.gamma,
-        gae_lambda=c.gae_lambda,
-        truncation=truncation,
-    )
+    steps = dict(rewards=data["rewards"], dones=data["dones"], truncation=data["truncation"],
+                 final_obs=running_stats.normalize(stats, data["final_obs"]))
     batch = dict(
         obs=obs_n,
         raw_actions=data["raw_actions"],
         log_probs=data["log_probs"],
-        values=values,
-        advantages=advantages,
-        returns=returns,
-        mask=jnp.ones_like(values),
+        mask=jnp.ones_like(data["log_probs"]),
     )
+    if self.config.gae_per_minibatch:  # ppo_update computes them in each minibatch
+      batch.update(steps)
+    else:
+      values = value_apply(self.networks, params, obs_n)
+      advantages, returns = self._gae(params, steps, values)
+      batch.update(values=values, advantages=advantages, returns=returns)
     finite_rewards = jnp.all(jnp.isfinite(data["rewards"]))
     finite_obs = jnp.all(jnp.isfinite(data["obs"])) & jnp.all(jnp.isfinite(data["final_obs"]))
     return batch, finite_rewards, finite_obs
@@ -379,6 +399,7 @@ class Trainer:
         apply_fn=ppo_apply_fn(self.networks),
         optimizer=self.optimizer,
         config=c.ppo,
+        advantage_fn=self._advantage_fn(),
     )
     # Non-finite guard (see ppo_update for loss and gradients): a rollout with a
     # non-finite reward or observation changes neither the parameters, the optimizer
