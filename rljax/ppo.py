@@ -421,9 +421,9 @@ def ppo_update(
       with ``aggregate_loss(..., config.loss_aggregation)`` for the sum to be exact.
     advantage_fn: optional ``advantage_fn(params, minibatch, values) -> (advantages,
       returns)``, each shaped like ``minibatch['mask']``: estimates the advantages inside
-      each minibatch's loss from the ``values`` that ``apply_fn`` just computed (passed
-      through ``stop_gradient``) and the current ``params``, as Brax's PPO computes GAE
-      in its loss. The batch then needs no ``values``, ``advantages`` or ``returns``
+      each minibatch's loss from the ``values`` that ``apply_fn`` just computed and the
+      current ``params`` (both through ``stop_gradient``: no gradient flows through the
+      advantages), as Brax's PPO computes GAE in its loss. The batch then needs no ``values``, ``advantages`` or ``returns``
       (`ADVANTAGE_FN_KEYS`), the minibatches must be whole sequences (``[N, T]``
       leaves), and a step's advantages come from the value network as that step finds
       it, not as the rollout left it. It saves the separate value pass over the batch.

@@ -86,7 +86,7 @@ class ControlConfig:
     gae_per_minibatch: compute GAE inside each minibatch's loss, from the value forward the
       loss makes anyway and the value network as that SGD step finds it (Brax's PPO does
       this), instead of once per iteration before the update from the rollout's value
-      network. It saves one value-network pass over the whole batch per iteration (8% of
+      network. It saves one value-network pass over the whole batch per iteration (8-11% of
       an iteration at Brax's CartpoleBalance settings) and changes the algorithm: later
       minibatches see advantages from a partly trained value network. Truncated steps
       still bootstrap from the truncated state's value. Off by default; the
