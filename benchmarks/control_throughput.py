@@ -6,9 +6,9 @@ For one environment it runs, back to back:
 
 1. rljax's trainer with the *same settings* as step 2 (environment, ``num_envs``,
    ``unroll_length``, batch, minibatches, updates per batch, network sizes and the policy's
-   initialisation, evaluations and how they act, timesteps), and Brax's order of work where
-   rljax's default differs: the normaliser learns each rollout before its update, and GAE is
-   computed inside each minibatch's loss (``--nogae_per_minibatch``: once per iteration);
+   initialisation, evaluations and how they act, timesteps), with Brax's normaliser order
+   (each rollout folded in before its update); ``--gae_per_minibatch`` also computes GAE
+   inside each minibatch's loss, as Brax does (rljax's default: once per iteration);
 2. Brax's own trainer, ``brax.training.agents.ppo.train``, as its users run it
    (Playground environments wrapped with Playground's ``wrap_for_brax_training``);
 3. rljax again with its own default config for the environment;
@@ -43,10 +43,11 @@ _OUT = flags.DEFINE_string("out", None, "Write the JSON result here.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the identical-settings runs (both trainers).")
 _SKIP_DEFAULT = flags.DEFINE_bool("skip_default", False, "Skip the rljax-default run.")
 _GAE_PER_MINIBATCH = flags.DEFINE_bool(
-    "gae_per_minibatch", True,
+    "gae_per_minibatch", False,
     "The identical-settings rljax run computes GAE inside each minibatch's loss, as Brax does "
-    "(ControlConfig.gae_per_minibatch); false computes it once per iteration before the "
-    "update, rljax's default.")
+    "(ControlConfig.gae_per_minibatch), instead of once per iteration before the update "
+    "(rljax's default). Off: it was 2-3% faster and learnt less (benchmarks/README.md, "
+    "stop 28).")
 _DEFAULT_TIMESTEPS = flags.DEFINE_integer(
     "default_num_timesteps", None,
     "Timesteps of the rljax-default run (default: --num_timesteps); only its steady "
@@ -99,7 +100,7 @@ def identical_settings(env: str, num_envs: int, num_timesteps: int, seed: int = 
   )
 
 
-def rljax_config_from(env: str, s: dict, episode_length: int, gae_per_minibatch: bool = True):
+def rljax_config_from(env: str, s: dict, episode_length: int, gae_per_minibatch: bool = False):
   from rljax.control.config import ControlConfig
   from rljax.models import mlp
 
@@ -121,7 +122,8 @@ def rljax_config_from(env: str, s: dict, episode_length: int, gae_per_minibatch:
       # Brax folds each rollout into its normaliser before the update that uses it.
       obs_stats_before_update=True,
       # Brax computes GAE inside each minibatch's loss from the value forward the loss
-      # makes, with the value network as that step finds it (no separate value pass).
+      # makes, with the value network as that step finds it (no separate value pass);
+      # rljax's own order unless asked (2-3% faster, learnt less: benchmarks/README.md).
       gae_per_minibatch=gae_per_minibatch,
       num_evals=s["num_evals"],
       num_eval_envs=s["num_eval_envs"],

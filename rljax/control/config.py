@@ -86,11 +86,11 @@ class ControlConfig:
     gae_per_minibatch: compute GAE inside each minibatch's loss, from the value forward the
       loss makes anyway and the value network as that SGD step finds it (Brax's PPO does
       this), instead of once per iteration before the update from the rollout's value
-      network. It saves one value-network pass over the whole batch per iteration (8-11% of
-      an iteration at Brax's CartpoleBalance settings) and changes the algorithm: later
-      minibatches see advantages from a partly trained value network. Truncated steps
-      still bootstrap from the truncated state's value. Off by default; the
-      identical-settings benchmark uses it, as Brax does. Not with
+      network. It saves one value-network pass over the whole batch per iteration (timed
+      alone, 9% of an iteration at Brax's CartpoleBalance settings; the whole chunk ran
+      2-3% faster) and changes the algorithm: later minibatches see advantages from a
+      partly trained value network (there it learnt less). Truncated steps still
+      bootstrap from the truncated state's value. Off by default. Not with
       ``overlap_value_update`` or ``num_microbatches > 1``.
   """
 
