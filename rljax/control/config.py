@@ -165,7 +165,8 @@ class ControlConfig:
     if self.gae_per_minibatch and self.overlap_value_update:
       raise ConfigError(
           "gae_per_minibatch needs overlap_value_update=False (the overlapped value update "
-          "trains on advantages computed before it), got overlap_value_update=True.")
+          "trains on advantages computed before it), got overlap_value_update=True "
+          "(playground/CheetahRun's defaults turn it on: --overlap_value_update=false).")
     if self.gae_per_minibatch and self.num_microbatches != 1:
       raise ConfigError(
           f"gae_per_minibatch needs num_microbatches=1 (advantages are whitened over the whole "
