@@ -423,10 +423,10 @@ def ppo_update(
       returns)``, each shaped like ``minibatch['mask']``: estimates the advantages inside
       each minibatch's loss from the ``values`` that ``apply_fn`` just computed and the
       current ``params`` (both through ``stop_gradient``: no gradient flows through the
-      advantages), as Brax's PPO computes GAE in its loss. The batch then needs no ``values``, ``advantages`` or ``returns``
-      (`ADVANTAGE_FN_KEYS`), the minibatches must be whole sequences (``[N, T]``
-      leaves), and a step's advantages come from the value network as that step finds
-      it, not as the rollout left it. It saves the separate value pass over the batch.
+      advantages), as Brax's PPO computes GAE in its loss. The batch then needs no
+      ``values``, ``advantages`` or ``returns`` (`ADVANTAGE_FN_KEYS`), the minibatches
+      must be whole sequences (``[N, T]`` leaves), and a step's advantages come from the
+      value network as that step finds it, not as the rollout left it. It saves the separate value pass over the batch.
       Incompatible with ``config.value_clip_eps`` (no rollout values to clip to) and
       ``config.num_microbatches > 1`` (advantages are whitened over the minibatch
       before it is split).

@@ -239,12 +239,12 @@ def test_bootstrap_values_skip_the_second_value_pass_only_when_exact():
   values = trainer.value_apply(t.networks, ts.params, obs_n)
   full = trainer.value_apply(
       t.networks, ts.params, running_stats.normalize(ts.obs_stats, data["final_obs"]))
-  final_n = running_stats.normalize(ts.obs_stats, data["final_obs"])
-  boot = jax.jit(t._bootstrap_values)(ts.params, final_n, data["truncation"], values)
+  boot = jax.jit(t._bootstrap_values)(ts.params, ts.obs_stats, data["final_obs"],
+                                      data["truncation"], values)
   np.testing.assert_allclose(boot, full, rtol=1e-6, atol=1e-6)
   # A truncation at step 2 whose pre-reset observation differs from the next obs.
   moved = data["final_obs"].at[:, 2].add(1.0)
-  boot = jax.jit(t._bootstrap_values)(ts.params, running_stats.normalize(ts.obs_stats, moved),
+  boot = jax.jit(t._bootstrap_values)(ts.params, ts.obs_stats, moved,
                                       data["truncation"].at[:, 2].set(True), values)
   expected = trainer.value_apply(
       t.networks, ts.params, running_stats.normalize(ts.obs_stats, moved))

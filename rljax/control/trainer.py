@@ -284,11 +284,12 @@ class Trainer:
     keys = jax.random.split(key, self.config.unroll_length)
     return jax.lax.scan(step, env_state, keys)
 
-  def _bootstrap_values(self, params, final_obs_n: Array, truncation: Array,
+  def _bootstrap_values(self, params, stats, final_obs: Array, truncation: Array,
                         values: Array) -> Array:
     """``[N, T]`` values of each step's successor state, ``V(s'_t)``.
 
-    ``s'_t`` is the pre-reset state (``final_obs_n [N, T, D]``, normalised). Where step
+    ``s'_t`` is the pre-reset state (``final_obs [N, T, D]``, normalised here with ``stats``,
+    only where used). Where step
     ``t < T - 1`` did not end an episode it is ``s_{t+1}``, whose value is already in
     ``values[:, t + 1]``; where it ended by termination its discount is 0 and the value is
     unused. Only truncated steps before the last (``truncation [N, T]``) need
@@ -300,22 +301,22 @@ class Trainer:
     networks = self.networks
 
     def full(_):
-      return value_apply(networks, params, final_obs_n)
+      return value_apply(networks, params, running_stats.normalize(stats, final_obs))
 
     def shifted(_):
-      last = value_apply(networks, params, final_obs_n[:, -1])
+      last = value_apply(networks, params, running_stats.normalize(stats, final_obs[:, -1]))
       return jnp.concatenate([values[:, 1:], last[:, None]], axis=1)
 
     needs_full = jnp.any(truncation[:, :-1])
     return jax.lax.cond(needs_full, full, shifted, None)
 
-  def _gae(self, params, steps: dict[str, Array], values: Array) -> tuple[Array, Array]:
+  def _gae(self, params, stats, steps: dict[str, Array], values: Array) -> tuple[Array, Array]:
     """``(advantages, returns)`` ``[N, T]`` by `rljax.ppo.compute_gae` for the segments in
-    ``steps`` (``rewards``, ``dones``, ``truncation`` ``[N, T]``, normalised ``final_obs``
+    ``steps`` (``rewards``, ``dones``, ``truncation`` ``[N, T]``, raw ``final_obs``
     ``[N, T, D]``) with values ``[N, T]``; successor values from `_bootstrap_values`."""
     c = self.config
     truncation = steps["truncation"].astype(jnp.float32)
-    bootstrap = self._bootstrap_values(params, steps["final_obs"], truncation, values)
+    bootstrap = self._bootstrap_values(params, stats, steps["final_obs"], truncation, values)
     discounts = 1.0 - steps["dones"].astype(jnp.float32) * (1.0 - truncation)
     return ppo.compute_gae(
         steps["rewards"] * c.reward_scaling,
@@ -327,12 +328,13 @@ class Trainer:
         truncation=truncation,
     )
 
-  def _advantage_fn(self) -> ppo.AdvantageFn | None:
+  def _advantage_fn(self, stats) -> ppo.AdvantageFn | None:
     """`rljax.ppo.ppo_update`'s ``advantage_fn`` where ``config.gae_per_minibatch``: GAE over
-    the minibatch's segments with the values the loss computed."""
+    the minibatch's segments with the values the loss computed (``stats``: the statistics
+    the batch was normalised with)."""
     if not self.config.gae_per_minibatch:
       return None
-    return lambda params, minibatch, values: self._gae(params, minibatch, values)
+    return lambda params, minibatch, values: self._gae(params, stats, minibatch, values)
 
   def _collect(self, params, stats, env_state, key_roll: Array):
     """``batch_size / num_envs`` unrolls with the policy in ``params``; leaves ``[N, T, ...]``."""
@@ -353,12 +355,11 @@ class Trainer:
   def _batch(self, params, stats, data) -> tuple[dict[str, Array], Array, Array]:
     """The update's batch (``[N, T]`` leaves, observations normalised) with values
     ``V(s_t)`` under ``params`` and GAE; or, where ``config.gae_per_minibatch``, with the
-    rewards, flags and normalised ``final_obs`` that `_advantage_fn` computes them from in
+    rewards, flags and raw ``final_obs`` that `_advantage_fn` computes them from in
     each minibatch. Also whether rewards and observations are all finite (two ``[]``
     bools)."""
     obs_n = running_stats.normalize(stats, data["obs"])
-    steps = dict(rewards=data["rewards"], dones=data["dones"], truncation=data["truncation"],
-                 final_obs=running_stats.normalize(stats, data["final_obs"]))
+    steps = {k: data[k] for k in ("rewards", "dones", "truncation", "final_obs")}
     batch = dict(
         obs=obs_n,
         raw_actions=data["raw_actions"],
@@ -369,7 +370,7 @@ class Trainer:
       batch.update(steps)
     else:
       values = value_apply(self.networks, params, obs_n)
-      advantages, returns = self._gae(params, steps, values)
+      advantages, returns = self._gae(params, stats, steps, values)
       batch.update(values=values, advantages=advantages, returns=returns)
     finite_rewards = jnp.all(jnp.isfinite(data["rewards"]))
     finite_obs = jnp.all(jnp.isfinite(data["obs"])) & jnp.all(jnp.isfinite(data["final_obs"]))
@@ -399,7 +400,7 @@ class Trainer:
         apply_fn=ppo_apply_fn(self.networks),
         optimizer=self.optimizer,
         config=c.ppo,
-        advantage_fn=self._advantage_fn(),
+        advantage_fn=self._advantage_fn(batch_stats),
     )
     # Non-finite guard (see ppo_update for loss and gradients): a rollout with a
     # non-finite reward or observation changes neither the parameters, the optimizer
