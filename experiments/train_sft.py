@@ -18,10 +18,11 @@ from rljax import run_info, runtime
 from rljax.alignment import flags as alignment_flags
 
 # --preference_data, --logdir, --num_steps, --limit, --seed, --verbose, --mesh,
-# --sharding_rules, process flags, --wandb, and the data flags (rljax.alignment.flags).
+# --sharding_rules, process flags, --wandb, and the data flags but --rm_lr (rljax.alignment.flags).
 _F = alignment_flags.define_stage_flags(
     logdir_prefix="sft", steps_help="SFT steps.",
-    data_help="HH-RLHF or {prompt,chosen,rejected} JSONL(.gz); default: embedded task.")
+    data_help="HH-RLHF or {prompt,chosen,rejected} JSONL(.gz); default: embedded task.",
+    reward_model=False)  # no --rm_lr: SFT trains no reward model
 
 
 def main(argv):
@@ -37,9 +38,6 @@ def main(argv):
     steps = _F.checked_num_steps()
     data = _F.preference_data.value
     _F.data.check_data(data)
-    if _F.data.rm_lr.value is not None:
-      raise ValueError("--rm_lr does nothing in train_sft.py (it trains no reward model); "
-                       "use it with train_reward_model.py or train_rlhf.py")
     pipeline.check_stage_logdir(logdir, "train_sft.py")
     check_writable(logdir)
     runtime.enable_compilation_cache()

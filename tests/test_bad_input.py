@@ -151,8 +151,6 @@ def _cases(tmp_path, existing, hf=None):
                           "--lr must be > 0, got 0.0"),
       "rm_lr_without_data": ("train_rlhf.py", ["--rm_lr=1e-5", e],
                              "--rm_lr applies to --preference_data runs only"),
-      "rm_lr_in_sft": ("train_sft.py", [f"--preference_data={good}", "--rm_lr=1e-5", n],
-                       "--rm_lr does nothing in train_sft.py (it trains no reward model)"),
       "critic_lr_without_critic": ("train_rlhf.py", ["--algo=grpo", "--critic_lr=1e-5", e],
                                    "--critic_lr applies to --algo=ppo only (grpo has no critic)"),
       "existing_run_without_resume": ("train_rlhf.py", [e, "--noresume"],
@@ -193,7 +191,7 @@ CASES = ["unknown_algo", "logdir_not_writable", "malformed_json", "invalid_utf8"
          "missing_rejected", "empty_dataset", "data_is_a_directory", "limit_zero",
          "missing_file", "overlong_prompts_rejected", "tokenizer_exceeds_vocab", "config_mismatch", "config_mismatch_nested", "sft_steps_zero",
          "sft_num_steps_zero", "rm_num_steps_negative", "lr_not_positive", "rm_lr_without_data",
-         "rm_lr_in_sft", "critic_lr_without_critic",
+         "critic_lr_without_critic",
          "existing_run_without_resume",
          "checkpoint_every", "model_unsupported_type", "model_tensor_shape_mismatch",
          "model_missing_folder", "model_missing_config", "model_with_tokenizer",
@@ -213,6 +211,22 @@ def test_bad_input_exits_2_with_message_before_compiling(case, tmp_path, existin
   assert "Traceback" not in out.stderr
   assert out.stderr.strip().splitlines()[-1].startswith("error: ")
   assert _snapshot(existing_run) == before  # nothing written over an existing run
+
+
+def test_sft_script_has_no_reward_model_flag(tmp_path):
+  """train_sft.py trains no reward model, so it does not define --rm_lr: absl rejects the flag
+  (exit 1, its own message) before anything runs; the two scripts that train a reward model
+  list it in their --help."""
+  out = subprocess.run([sys.executable, _script("train_sft.py"), "--rm_lr=1e-5"],
+                       capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+  assert out.returncode == 1, (out.returncode, out.stderr[-2000:])
+  assert "Unknown command line flag 'rm_lr'" in out.stderr, out.stderr[-2000:]
+  assert not os.listdir(tmp_path)  # no run folder
+  for script in ("train_reward_model.py", "train_rlhf.py"):
+    shown = subprocess.run([sys.executable, _script(script), "--help"], capture_output=True,
+                           text=True, timeout=300, cwd=str(tmp_path))
+    assert "--rm_lr: --preference_data: reward-model learning rate" in shown.stdout, \
+        (script, shown.stdout[-2000:])  # (absl's --help exits 1)
 
 
 def test_resume_check_compares_nested_fields_and_implies_class_defaults(tmp_path):

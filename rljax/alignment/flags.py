@@ -31,7 +31,7 @@ class DataFlags:
   vocab_size: Any
   model: Any
   lr: Any
-  rm_lr: Any
+  rm_lr: Any  # None where the script trains no reward model (train_sft.py)
 
   def overrides(self) -> dict[str, Any]:
     """``rljax.alignment.pipeline.PreferenceConfig`` fields set on the command line.
@@ -47,7 +47,8 @@ class DataFlags:
                            f"vocabulary come from the model folder {self.model.value!r}")
     out = {"overlong_prompts": self.overlong_prompts.value}
     for key in ("max_prompt_len", "tokenizer", "vocab_size", "model", "lr", "rm_lr"):
-      value = getattr(self, key).value
+      holder = getattr(self, key)
+      value = None if holder is None else holder.value
       if value is not None:
         if key in ("lr", "rm_lr") and not value > 0:
           raise ValueError(f"--{key} must be > 0, got {value}")
@@ -68,14 +69,16 @@ class DataFlags:
       raise ValueError(f"--model {self.model.value!r} needs --preference_data=PATH (the "
                        f"embedded addition task trains its own tiny model)")
     for name in ("lr", "rm_lr"):
-      if getattr(self, name).value is not None and preference_data is None:
+      holder = getattr(self, name)
+      if holder is not None and holder.value is not None and preference_data is None:
         raise ValueError(f"--{name} applies to --preference_data runs only (the embedded "
                          f"addition task keeps its own learning rates)")
 
 
-def define_data_flags() -> DataFlags:
+def define_data_flags(*, reward_model: bool = True) -> DataFlags:
   """``--max_prompt_len``, ``--overlong_prompts``, ``--tokenizer``, ``--vocab_size``, ``--model``,
-  ``--lr``, ``--rm_lr``."""
+  ``--lr``, and ``--rm_lr`` where ``reward_model`` (the script trains a reward model; not
+  ``train_sft.py``, whose ``--help`` then does not list it and absl rejects it as unknown)."""
   return DataFlags(
       max_prompt_len=flags.DEFINE_integer(
           "max_prompt_len", None, "Prompt length limit in tokens."),
@@ -99,7 +102,7 @@ def define_data_flags() -> DataFlags:
           "(default 2e-3 from scratch, 1e-5 with --model)."),
       rm_lr=flags.DEFINE_float(
           "rm_lr", None, "--preference_data: reward-model learning rate (default 5e-4 from "
-          "scratch, 9e-6 with --model)."),
+          "scratch, 9e-6 with --model).") if reward_model else None,
   )
 
 
@@ -172,11 +175,13 @@ class StageFlags:
     return steps
 
 
-def define_stage_flags(*, logdir_prefix: str, data_help: str, steps_help: str) -> StageFlags:
+def define_stage_flags(*, logdir_prefix: str, data_help: str, steps_help: str,
+                       reward_model: bool = True) -> StageFlags:
   """Defines ``--preference_data`` (help ``data_help``), ``--logdir`` (default
   ``runs/<logdir_prefix>-<time>``), ``--num_steps`` (help ``steps_help``), ``--limit``,
   ``--seed``, ``--verbose``, the mesh flags (`define_mesh_flags`), the process flags, ``--wandb``
-  and the data flags (`define_data_flags`); call once, at a script's module level."""
+  and the data flags (`define_data_flags`, ``--rm_lr`` only where ``reward_model``); call once,
+  at a script's module level."""
   out = StageFlags(
       preference_data=flags.DEFINE_string("preference_data", None, data_help),
       logdir=flags.DEFINE_string(
@@ -190,7 +195,7 @@ def define_stage_flags(*, logdir_prefix: str, data_help: str, steps_help: str) -
       mesh=define_mesh_flags(),
       wandb=run_info.define_wandb_flag(),
       # Preference data: prompt budget, tokenizer, --model.
-      data=define_data_flags(),
+      data=define_data_flags(reward_model=reward_model),
       logdir_prefix=logdir_prefix,
   )
   distributed.define_flags()
