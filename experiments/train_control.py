@@ -186,8 +186,9 @@ def build_config():
   return default_config(_ENV.value).replace(**overrides)
 
 
-def build_eval_video(config, logdir: str):
-  """The trainer's ``on_eval`` callback for ``--eval_video``, or ``None`` without it.
+def video_options():
+  """``(formats, height, width)`` from ``--eval_video`` and ``--video_size``, or ``None``
+  without ``--eval_video``. Checked before the environment is looked up (no Playground import).
 
   Raises:
     ValueError: an unknown format, a bad ``--video_size``, or ``--algo=apg``.
@@ -203,8 +204,18 @@ def build_eval_video(config, logdir: str):
     raise ValueError(
         f"--video_size must be two integers HEIGHT,WIDTH, got {','.join(_VIDEO_SIZE.value)!r}."
     ) from None
+  from rljax.control import render
+
+  return render.check_video_options(formats, height, width), height, width
+
+
+def build_eval_video(config, logdir: str, options):
+  """The trainer's ``on_eval`` callback for `video_options`'s ``options``, or ``None``."""
+  if options is None:
+    return None
   from rljax.control import eval_video
 
+  formats, height, width = options
   return eval_video.eval_video_callback(config, logdir, formats=formats, height=height,
                                         width=width)
 
@@ -235,6 +246,7 @@ def main(argv):
     if _ALGO.value == "apg" and _MESH.value is not None:
       raise ValueError("--mesh is not supported with --algo=apg (APG runs on one device).")
     mesh = build_mesh(config) if _ALGO.value == "ppo" else None
+    video = video_options()
     # The name after the other flags: listing the environments imports MuJoCo Playground
     # (about 5 s of a bad-flag exit's 8-10 s), so their mistakes are reported without it.
     from rljax import envs
@@ -243,7 +255,7 @@ def main(argv):
     logdir = _LOGDIR.value or os.path.join(
         "runs", f"{config.env.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
-    on_eval = build_eval_video(config, logdir)  # validates the video flags
+    on_eval = build_eval_video(config, logdir, video)
     from rljax.checkpoint import check_writable
 
     check_writable(logdir)

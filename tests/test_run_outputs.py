@@ -192,6 +192,12 @@ def test_wandb_offline_run_receives_metrics_writer_records(tmp_path):
          "--num_minibatches does not apply to --algo=apg; APG's settings "
          "(rljax.control.apg.APGConfig) are --action_repeat, "),
         (["--algo=apg", "--eval_video=mp4"], "--eval_video works with --algo=ppo only"),
+        # The video flags are checked before the environment's name (whose lookup imports
+        # Playground), so a bad name does not hide them.
+        (["--env=playground/Nope", "--eval_video=avi"],
+         "video formats must be a non-empty subset of ('mp4', 'gif'), got ('avi',)."),
+        (["--eval_video=mp4", "--video_size=241,320"], "MP4 needs even height and width, got 241x320."),
+        (["--eval_video=gif", "--video_size=a,b"], "--video_size must be two integers HEIGHT,WIDTH, got 'a,b'."),
     ],
 )
 def test_script_rejects_bad_algo_and_video_flags(flags, match, tmp_path):

@@ -60,13 +60,7 @@ def eval_video_callback(
     ValueError: bad formats, sizes or camera, before anything compiles.
     rljax.envs.UnknownEnvError: unknown ``config.env``.
   """
-  formats = tuple(formats)
-  bad = [f for f in formats if f not in render.VIDEO_FORMATS]
-  if bad or not formats:
-    raise ValueError(
-        f"video formats must be a non-empty subset of {render.VIDEO_FORMATS}, got {formats}.")
-  if "mp4" in formats and (height % 2 or width % 2):
-    raise ValueError(f"MP4 needs even height and width, got {height}x{width}.")
+  formats = render.check_video_options(formats, height, width)
   env = envs.make(config.env, **dict(config.env_kwargs))
   # The graph definition only: the parameters come from the train state at each call.
   networks, _ = trainer_lib.make_networks(config, env, None)

@@ -55,6 +55,27 @@ VIDEO_FORMATS = ("mp4", "gif")
 _GL_BACKENDS = ("osmesa", "egl", "glfw")
 
 
+def check_video_options(formats: Sequence[str], height: int, width: int) -> tuple[str, ...]:
+  """Checks video settings before anything is built; returns ``formats`` as a tuple.
+
+  Args:
+    formats: a non-empty subset of `VIDEO_FORMATS` (``"mp4"``, ``"gif"``).
+    height, width: pixels of each environment's view (ints; even for MP4, as H.264 needs).
+
+  Raises:
+    ValueError: another format, no format, or an odd ``height``/``width`` with MP4; the message
+      names the value.
+  """
+  formats = tuple(formats)
+  bad = [f for f in formats if f not in VIDEO_FORMATS]
+  if bad or not formats:
+    raise ValueError(
+        f"video formats must be a non-empty subset of {VIDEO_FORMATS}, got {formats}.")
+  if "mp4" in formats and (height % 2 or width % 2):
+    raise ValueError(f"MP4 needs even height and width, got {height}x{width}.")
+  return formats
+
+
 class RenderError(RuntimeError):
   """Rendering cannot run here (no GL backend, no ffmpeg); the message says what to install."""
 
