@@ -43,6 +43,10 @@ _WATCHDOG: dict = {}  # the running watchdog thread, for wait_for_lost_peer
 
 # Exit status of a process whose peer was lost (EX_SOFTWARE from sysexits.h).
 EXIT_LOST_PROCESS = 70
+# Exit status of a process whose peers did not all connect in time (EX_UNAVAILABLE).
+EXIT_NOT_CONNECTED = 69
+# JAX's own connect deadline is this much later than rljax's, so rljax's message comes first.
+_JAX_DEADLINE_MARGIN_S = 10
 _HEARTBEAT_DIR = "rljax/heartbeat/"
 _DONE_DIR = "rljax/done/"
 
@@ -57,7 +61,8 @@ class DistributedConfig:
     process_id: this process's index in ``[0, num_processes)``, or ``None``.
     heartbeat_timeout_s: seconds without a heartbeat before a process is declared dead; ``None``
       keeps JAX's 100 s.
-    initialization_timeout_s: seconds to wait for all processes to connect.
+    initialization_timeout_s: seconds to wait for all processes to connect; then the process
+      exits with `EXIT_NOT_CONNECTED` (69) and one line (see :func:`initialize`).
   """
 
   coordinator_address: str | None = None
@@ -124,6 +129,40 @@ def _say_connecting(who: str, config: DistributedConfig) -> None:
         f"for all processes (--initialization_timeout_s)", file=sys.stderr, flush=True)
 
 
+def _connect(who: str, hint: str, config: DistributedConfig, connect, *, exit_fn=os._exit
+             ) -> None:
+  """Runs ``connect()`` (``jax.distributed.initialize``); ends the process if it is not done
+  within ``config.initialization_timeout_s``.
+
+  JAX 0.10 on CPU answers its own connect deadline with a fatal C++ check ("the JAX distributed
+  service detected fatal errors ... another task died") and SIGABRT (status 134), which names
+  neither the timeout nor the likely mistake. So JAX's deadline is set
+  ``_JAX_DEADLINE_MARGIN_S`` later, and a timer prints one line at rljax's deadline, naming this
+  process, the wait and ``hint`` (what to check), and exits with `EXIT_NOT_CONNECTED` (69).
+  """
+  done = threading.Event()
+  lock = threading.Lock()
+
+  def expire():
+    with lock:
+      if done.is_set():
+        return
+      print(f"rljax.sharding.distributed: {who}: not all processes connected within "
+            f"{config.initialization_timeout_s} s (--initialization_timeout_s); {hint}; exiting "
+            f"with status {EXIT_NOT_CONNECTED}", file=sys.stderr, flush=True)
+      exit_fn(EXIT_NOT_CONNECTED)
+
+  timer = threading.Timer(config.initialization_timeout_s, expire)
+  timer.daemon = True
+  timer.start()
+  try:
+    connect()
+  finally:
+    with lock:
+      done.set()
+    timer.cancel()
+
+
 def initialize(config: DistributedConfig | None = None) -> bool:
   """Starts JAX's multi-process runtime if this is a multi-process run.
 
@@ -135,30 +174,39 @@ def initialize(config: DistributedConfig | None = None) -> bool:
 
   Raises:
     ValueError: for an incomplete explicit configuration (see :class:`DistributedConfig`).
-    RuntimeError: from JAX if the processes cannot connect within ``initialization_timeout_s``
-      (on CPU with jax 0.10, JAX aborts the process instead: exit status 134 after a
-      ``DEADLINE_EXCEEDED`` line).
+
+  If the processes have not all connected within ``initialization_timeout_s``, the process
+  prints one line (``rljax.sharding.distributed: process 0 of 2 ...: not all processes
+  connected within 300 s ...``, with what to check) and exits with `EXIT_NOT_CONNECTED` (69),
+  before JAX's own deadline (which, on CPU with jax 0.10, aborts with status 134).
   """
   config = config or DistributedConfig()
   if config.num_processes == 1 or (config.num_processes is None and not under_slurm()):
     return False
   _serialize_cpu_collectives()
-  kwargs = {"initialization_timeout": config.initialization_timeout_s}
+  kwargs = {"initialization_timeout": config.initialization_timeout_s + _JAX_DEADLINE_MARGIN_S}
   if config.heartbeat_timeout_s is not None:
     kwargs["heartbeat_timeout_seconds"] = config.heartbeat_timeout_s
   if config.num_processes is not None:
     if config.num_processes == 1:
       return False
+    who = (f"process {config.process_id} of {config.num_processes} (coordinator "
+           f"{config.coordinator_address})")
     _say_connecting(f"process {config.process_id} of {config.num_processes} connecting to "
                     f"{config.coordinator_address}", config)
-    jax.distributed.initialize(
-        coordinator_address=config.coordinator_address, num_processes=config.num_processes,
-        process_id=config.process_id, **kwargs)
+    _connect(who, f"start all {config.num_processes} processes with the same "
+             f"--coordinator_address and --num_processes and each with its own --process_id in "
+             f"[0, {config.num_processes}); process 0 serves the coordinator", config,
+             lambda: jax.distributed.initialize(
+                 coordinator_address=config.coordinator_address,
+                 num_processes=config.num_processes, process_id=config.process_id, **kwargs))
   elif under_slurm():
-    _say_connecting(f"SLURM task {os.environ.get('SLURM_PROCID', '?')} of "
-                    f"{os.environ.get('SLURM_NTASKS', '?')} connecting (JAX's SLURM detection)",
-                    config)
-    jax.distributed.initialize(**kwargs)  # JAX detects SLURM itself
+    who = (f"SLURM task {os.environ.get('SLURM_PROCID', '?')} of "
+           f"{os.environ.get('SLURM_NTASKS', '?')}")
+    _say_connecting(f"{who} connecting (JAX's SLURM detection)", config)
+    _connect(who, "check that every task of the step started (srun) and that the first node "
+             "of the allocation is reachable from the others", config,
+             lambda: jax.distributed.initialize(**kwargs))  # JAX detects SLURM itself
   else:
     return False
   if config.heartbeat_timeout_s is not None:
@@ -297,7 +345,7 @@ def define_flags() -> None:
       "heartbeat_timeout_s", None, "Seconds before a silent process is declared dead (JAX: 100).")
   _FLAGS["initialization_timeout_s"] = flags.DEFINE_integer(
       "initialization_timeout_s", 300, "Seconds to wait for all processes to connect at the "
-      "start; JAX then aborts the process.")
+      "start; then the process exits with status 69 and a line saying what to check.")
 
 
 def initialize_from_flags() -> bool:

@@ -34,6 +34,44 @@ def test_config_validation_names_values():
       coordinator_address="h:1", num_processes=1, process_id=0)) is False
 
 
+def test_connect_deadline_exits_69_with_one_line(capsys):
+  """rljax's connect deadline (distributed._connect): a connect still running at the deadline
+  prints one line naming the process and what to check, then exits 69; one that finishes in
+  time cancels it."""
+  import types
+
+  config = types.SimpleNamespace(initialization_timeout_s=0.2)
+  codes = []
+  distributed._connect("process 0 of 2", "check X", config, lambda: time.sleep(1.0),
+                       exit_fn=codes.append)
+  assert codes == [distributed.EXIT_NOT_CONNECTED] == [69]
+  err = capsys.readouterr().err
+  assert err == ("rljax.sharding.distributed: process 0 of 2: not all processes connected within "
+                 "0.2 s (--initialization_timeout_s); check X; exiting with status 69\n"), err
+  codes.clear()
+  distributed._connect("process 0 of 2", "check X", config, lambda: None, exit_fn=codes.append)
+  time.sleep(0.4)
+  assert codes == [] and capsys.readouterr().err == ""
+
+
+def test_missing_peer_exits_69_naming_the_flags_not_134():
+  """Process 0 of 2 started alone: at --initialization_timeout_s it exits 69 with rljax's line,
+  before JAX's own deadline would abort it (SIGABRT, status 134, "another task died")."""
+  port = free_port()
+  out = subprocess.run(
+      [sys.executable, WORKER, f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+       "--process_id=0", "--initialization_timeout_s=2"],
+      capture_output=True, text=True, timeout=120, env=subprocess_env(cpu=False))
+  assert out.returncode == distributed.EXIT_NOT_CONNECTED, (out.returncode, out.stderr[-3000:])
+  last = out.stderr.strip().splitlines()[-1]
+  assert last == (
+      f"rljax.sharding.distributed: process 0 of 2 (coordinator 127.0.0.1:{port}): not all "
+      f"processes connected within 2 s (--initialization_timeout_s); start all 2 processes with "
+      f"the same --coordinator_address and --num_processes and each with its own --process_id "
+      f"in [0, 2); process 0 serves the coordinator; exiting with status 69"), out.stderr[-3000:]
+  assert "Check failure" not in out.stderr and "Fatal Python error" not in out.stderr
+
+
 @pytest.mark.slow
 def test_two_processes_equal_one_process():
   one = subprocess.run([sys.executable, WORKER], capture_output=True, text=True, timeout=120, env=subprocess_env(cpu=False))
