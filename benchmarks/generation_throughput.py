@@ -9,7 +9,10 @@ one thread; the faster of the two is the baseline (on a loaded machine OpenMP's 
 can be many times slower). rljax loads the same checkpoint with
 ``rljax.models.load_hf_checkpoint``. The headline comparison is f32 against f32; rljax is also
 timed sampling from a bf16 copy of the weights (``SamplingConfig(dtype='bfloat16',
-cache_dtype='float32')``, f32 accumulation), reported in separate columns.
+cache_dtype='float32')``, f32 accumulation), reported in separate columns, against HF with the
+checkpoint loaded in bf16 as its users load it (``from_pretrained(path, dtype=torch.bfloat16)``,
+same thread settings): ``ratio_bf16_vs_hf_bf16`` compares the two at the same weight dtype, and
+``ratio_bf16_vs_hf`` rljax's bf16 run against HF's f32 one.
 
 tokens/s = batch_size * new_tokens / wall time of one generate call (prefill included), the median
 of ``--repeats`` calls after one warm-up call. ``rljax_compile_s`` is the first call's wall time
@@ -28,8 +31,8 @@ Usage::
 The JSON holds ``results``: one object per batch size with ``batch_size``,
 ``rljax_tokens_per_s``, ``hf_tokens_per_s``, ``ratio_vs_hf``, ``rljax_compile_s``,
 ``roofline_tokens_per_s`` (f32 decode bound), ``roofline_e2e_tokens_per_s`` (with prefill) and the
-same for bf16 (``rljax_bf16_tokens_per_s``, ``ratio_bf16_vs_hf``, ``roofline_bf16_tokens_per_s``,
-``roofline_e2e_bf16_tokens_per_s``); plus the measured ``machine`` figures and the load average.
+same for bf16 (``rljax_bf16_tokens_per_s``, ``hf_bf16_tokens_per_s``, ``ratio_bf16_vs_hf_bf16``,
+``ratio_bf16_vs_hf``, ``roofline_bf16_tokens_per_s``, ``roofline_e2e_bf16_tokens_per_s``); plus the measured ``machine`` figures and the load average.
 """
 
 from __future__ import annotations
@@ -163,8 +166,8 @@ def main(argv=None) -> int:
   parser.add_argument("--hf-threads", default=f"{torch.get_num_threads()},1",
                       help="torch thread counts to time HF with; the best one is the baseline")
   parser.add_argument("--no-bf16", dest="bf16", action="store_false",
-                      help="skip the rljax run with bf16 weights "
-                      "(SamplingConfig(dtype='bfloat16'))")
+                      help="skip the bf16 runs (rljax: SamplingConfig(dtype='bfloat16'); HF: "
+                      "the checkpoint loaded with dtype=torch.bfloat16)")
   parser.add_argument("--out", default=None, help="write the results as JSON here")
   args = parser.parse_args(argv)
   batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -181,6 +184,11 @@ def main(argv=None) -> int:
   with tempfile.TemporaryDirectory() as ckpt:
     hf_model = make_checkpoint(ckpt, vocab=args.vocab, hidden=args.hidden, layers=args.layers,
                                heads=args.heads, kv_heads=args.kv_heads, mlp=args.mlp)
+    # HF's bf16 run: the same checkpoint loaded in bf16, as its users load it.
+    hf_models = {"": hf_model}
+    if args.bf16 and not args.skip_hf:
+      hf_models["bf16_"] = transformers.AutoModelForCausalLM.from_pretrained(
+          ckpt, dtype=torch.bfloat16).eval()
     model = hf_io.load_hf_checkpoint(ckpt)
     cfg = model.config
     n_params = cfg.num_params()  # every weight is read once per decode step (tied head included)
@@ -203,7 +211,7 @@ def main(argv=None) -> int:
         ids = torch.tensor(prompts)
         attn = torch.ones_like(ids)
 
-        def hf_generate():
+        def hf_generate(hf_model):
           with torch.no_grad():
             out = hf_model.generate(
                 input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_k=0,
@@ -211,8 +219,10 @@ def main(argv=None) -> int:
                 pad_token_id=0, eos_token_id=None)
           assert out.shape == (b, p + r), out.shape
 
-        for threads in hf_threads:
-          fns[f"hf_{threads}"] = functools.partial(with_torch_threads, threads, hf_generate)
+        for prefix, m in hf_models.items():
+          for threads in hf_threads:
+            fns[f"hf_{prefix}{threads}"] = functools.partial(
+                with_torch_threads, threads, functools.partial(hf_generate, m))
       timed = time_interleaved(fns, args.repeats)
       first, rl_s = timed["float32"]
       rl_tps = b * r / rl_s
@@ -237,10 +247,17 @@ def main(argv=None) -> int:
       }
       if "bfloat16" in timed:
         bf_tps = b * r / timed["bfloat16"][1]
+        hf_bf16 = {t: b * r / timed[f"hf_bf16_{t}"][1] for t in hf_threads
+                   if f"hf_bf16_{t}" in timed}
+        hf_bf16_tps = max(hf_bf16.values()) if hf_bf16 else float("nan")
         bf16 = dict(geometry, weight_bytes=2 * n_params, bytes_per_el=2,
                     flops=machine["bf16_matmul_flops_per_s"])
         row.update({
             "rljax_bf16_tokens_per_s": round(bf_tps, 1),
+            "hf_bf16_tokens_per_s": round(hf_bf16_tps, 1),
+            "ratio_bf16_vs_hf_bf16": (round(bf_tps / hf_bf16_tps, 2)
+                                      if hf_bf16_tps == hf_bf16_tps else None),
+            **{f"hf_bf16_{t}_threads_tokens_per_s": round(v, 1) for t, v in hf_bf16.items()},
             "ratio_bf16_vs_hf": round(bf_tps / hf_tps, 2) if hf_tps == hf_tps else None,
             "roofline_bf16_tokens_per_s": round(roofline_tokens_per_s(b, **bf16), 1),
             "roofline_e2e_bf16_tokens_per_s": round(roofline_e2e_tokens_per_s(b, **bf16), 1),
@@ -251,7 +268,8 @@ def main(argv=None) -> int:
   header = ["batch", "rljax f32 tok/s", "HF f32 tok/s", "ratio", "compile s",
             "roofline f32 (decode / e2e)"]
   if args.bf16:
-    header += ["rljax bf16 tok/s", "bf16 ratio", "roofline bf16 (decode / e2e)"]
+    header += ["rljax bf16 tok/s", "HF bf16 tok/s", "bf16 ratio (vs HF bf16 / f32)",
+               "roofline bf16 (decode / e2e)"]
   print("\n| " + " | ".join(header) + " |")
   print("|" + "---|" * len(header))
   for row in rows:
@@ -260,7 +278,8 @@ def main(argv=None) -> int:
              f"{row['rljax_compile_s']:.1f}",
              f"{row['roofline_tokens_per_s']:.0f} / {row['roofline_e2e_tokens_per_s']:.0f}"]
     if args.bf16:
-      cells += [f"{row['rljax_bf16_tokens_per_s']:.0f}", f"{row['ratio_bf16_vs_hf']}",
+      cells += [f"{row['rljax_bf16_tokens_per_s']:.0f}", f"{row['hf_bf16_tokens_per_s']:.0f}",
+                f"{row['ratio_bf16_vs_hf_bf16']} / {row['ratio_bf16_vs_hf']}",
                 f"{row['roofline_bf16_tokens_per_s']:.0f} / "
                 f"{row['roofline_e2e_bf16_tokens_per_s']:.0f}"]
     print("| " + " | ".join(str(c) for c in cells) + " |")
