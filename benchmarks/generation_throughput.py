@@ -14,6 +14,10 @@ checkpoint loaded in bf16 as its users load it (``from_pretrained(path, dtype=to
 same thread settings): ``ratio_bf16_vs_hf_bf16`` compares the two at the same weight dtype, and
 ``ratio_bf16_vs_hf`` rljax's bf16 run against HF's f32 one.
 
+rljax samples with its default ``SamplingConfig.decode_segments`` (at 128 new tokens, 4 decode
+loops over caches of ``P + 32 .. P + 128`` slots); ``--decode-segments=1`` times one loop over the
+whole cache, as before that option.
+
 tokens/s = batch_size * new_tokens / wall time of one generate call (prefill included), the median
 of ``--repeats`` calls after one warm-up call. ``rljax_compile_s`` is the first call's wall time
 minus the median.
@@ -168,6 +172,9 @@ def main(argv=None) -> int:
   parser.add_argument("--no-bf16", dest="bf16", action="store_false",
                       help="skip the bf16 runs (rljax: SamplingConfig(dtype='bfloat16'); HF: "
                       "the checkpoint loaded with dtype=torch.bfloat16)")
+  parser.add_argument("--decode-segments", type=int, default=None,
+                      help="SamplingConfig.decode_segments (default: automatic; 1: one decode "
+                      "loop over the whole cache)")
   parser.add_argument("--out", default=None, help="write the results as JSON here")
   args = parser.parse_args(argv)
   batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -198,7 +205,7 @@ def main(argv=None) -> int:
     samplers = {
         dtype: sampling.Sampler(model, sampling.SamplingConfig(
             max_new_tokens=r, temperature=1.0, eos_token_ids=(), pad_token_id=0, dtype=dtype,
-            cache_dtype="float32"))
+            cache_dtype="float32", decode_segments=args.decode_segments))
         for dtype in (["float32", "bfloat16"] if args.bf16 else ["float32"])}
     rng = np.random.default_rng(0)
     for b in batch_sizes:
@@ -288,6 +295,7 @@ def main(argv=None) -> int:
       json.dump({"results": rows, "machine": machine, "n_params": n_params, "load_avg":
                  os.getloadavg(),
                  "prompt_len": p, "new_tokens": r, "jax": jax.__version__,
+                 "decode_segment_ends": samplers["float32"].config.segment_ends,
                  "torch": torch.__version__, "transformers": transformers.__version__}, f,
                 indent=2)
   return 0

@@ -2,12 +2,20 @@
 
 One call of :meth:`Sampler.generate` runs two compiled functions:
 
-1. **prefill** ``[B, P]`` left-padded prompts -> KV cache of ``P + R`` slots per layer, and the
-   first sampled token. Position ids are ``cumsum(mask) - 1``, so every prompt starts at position 0
-   whatever its padding, and all rows write the same cache slot at every step.
-2. **decode** a ``lax.while_loop`` over response steps ``1 .. R-1``: embed the last token, attend
+1. **prefill** ``[B, P]`` left-padded prompts -> KV cache per layer, and the first sampled
+   token. Position ids are ``cumsum(mask) - 1``, so every prompt starts at position 0 whatever
+   its padding, and all rows write the same cache slot at every step.
+2. **decode** ``lax.while_loop`` s over response steps ``1 .. R-1``: embed the last token, attend
    over the cache, sample. The loop state (cache included) is donated, so XLA updates the cache
    in place. It stops after ``max_new_tokens`` or as soon as every row has produced an EOS id.
+
+The decode runs in segments (:attr:`SamplingConfig.decode_segments`): segment ``j`` is its own
+``while_loop`` over steps ``[e_{j-1}, e_j)`` on a cache of ``P + e_j`` slots, which is zero-padded
+to the next segment's length between loops. So step ``t`` attends over at most ``P + e_j`` slots
+instead of ``P + R``, as paged/varlen attention does (vLLM, Kwon et al. 2023) without leaving
+static shapes: with 4 segments the attention reads on average ``P + 5R/8`` slots, not ``P + R``.
+Each segment is one more loop body to compile; long responses pay for it (measured in
+``benchmarks/README.md``).
 
 Shapes are static: prompt lengths and batch sizes are rounded up to buckets
 (:class:`SamplingConfig`), so a training run compiles each (batch bucket, prompt bucket) pair
@@ -44,6 +52,10 @@ from rljax.models import llm
 
 DEFAULT_PROMPT_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 DEFAULT_BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# Automatic decode segments (SamplingConfig.decode_segments=None): one per this many response
+# tokens, at most MAX_AUTO_SEGMENTS (each segment compiles one more loop body).
+SEGMENT_TOKENS = 32
+MAX_AUTO_SEGMENTS = 4
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,6 +83,11 @@ class SamplingConfig:
     cache_dtype: KV-cache dtype; ``None`` is the compute dtype. ``'float32'`` with bf16 weights
       keeps the attention products in f32, which is faster on CPU (bf16 batched matmuls are
       slow there) at twice the cache memory.
+    decode_segments: how many ``while_loop`` s the decode runs in, each over a cache just long
+      enough for its steps (see the module docstring); ``1`` is one loop over all ``P + R``
+      slots. ``None`` (default): one segment per `SEGMENT_TOKENS` (32) response tokens, at most
+      `MAX_AUTO_SEGMENTS` (4), so ``R <= 32`` decodes in one loop and ``R >= 128`` in 4. Must
+      be in ``[1, R]``.
   """
 
   max_new_tokens: int
@@ -83,6 +100,7 @@ class SamplingConfig:
   batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
   dtype: str | None = None
   cache_dtype: str | None = None
+  decode_segments: int | None = None
 
   def __post_init__(self):
     if self.top_k is None:
@@ -101,12 +119,28 @@ class SamplingConfig:
       if getattr(self, name) not in (None, "float32", "bfloat16"):
         raise ValueError(f"{name} must be None, 'float32' or 'bfloat16', got "
                          f"{getattr(self, name)!r}")
+    if self.decode_segments is not None and not 1 <= self.decode_segments <= self.max_new_tokens:
+      raise ValueError(f"decode_segments must be None or in [1, max_new_tokens="
+                       f"{self.max_new_tokens}], got {self.decode_segments}")
     object.__setattr__(self, "eos_token_ids", tuple(int(e) for e in self.eos_token_ids))
     for name in ("prompt_buckets", "batch_buckets"):
       b = tuple(int(x) for x in getattr(self, name))
       if not b or any(x <= 0 for x in b) or list(b) != sorted(set(b)):
         raise ValueError(f"{name} must be a non-empty increasing tuple of positive ints, got {b}")
       object.__setattr__(self, name, b)
+
+  @property
+  def segment_ends(self) -> tuple[int, ...]:
+    """Response steps ``e_1 < ... < e_n = R`` at which the decode's segments end.
+
+    Segment ``j`` produces the tokens of steps ``[e_{j-1}, e_j)`` (``e_0 = 1``: the prefill
+    samples token 0) on a cache of ``P + e_j`` slots. ``n`` is :attr:`decode_segments`, or
+    ``min(MAX_AUTO_SEGMENTS, ceil(R / SEGMENT_TOKENS))``; the ends split ``R`` evenly (rounded
+    up), e.g. ``R = 128 -> (32, 64, 96, 128)``, ``R = 48 -> (24, 48)``.
+    """
+    r = self.max_new_tokens
+    n = self.decode_segments or min(MAX_AUTO_SEGMENTS, -(-r // SEGMENT_TOKENS))
+    return tuple(-(-r * (j + 1) // n) for j in range(n))
 
   @property
   def greedy(self) -> bool:
@@ -159,7 +193,7 @@ class SampleOutput(NamedTuple):
 class DecodeState(NamedTuple):
   """Loop carry of the decode ``while_loop`` (donated between prefill and decode)."""
 
-  cache: llm.KVCache           # per layer keys [B, K, D, P + R], values [B, K, P + R, D]
+  cache: llm.KVCache           # per layer keys [B, K, D, S], values [B, K, S, D]; S = P + e_j
   key_mask: jax.Array          # [B, P + R] bool, valid cache slots (prompt padding is False)
   last_token: jax.Array        # [B] int32, token to feed next
   next_position: jax.Array     # [B] int32, RoPE position of last_token
@@ -349,11 +383,12 @@ def _prefill(graphdef, params, tokens, mask, num_rows, key, *, config: SamplingC
   model: llm.DecoderLM = nnx.merge(graphdef, params)
   b, p = tokens.shape
   r = config.max_new_tokens
-  cache = llm.init_cache(model.config, b, p + r, dtype=config.cache_dtype)
+  slots = p + config.segment_ends[0]  # the first decode segment's cache
+  cache = llm.init_cache(model.config, b, slots, dtype=config.cache_dtype)
   key_mask = jnp.concatenate([mask.astype(bool), jnp.ones((b, r), bool)], axis=1)
   positions = llm.positions_from_mask(mask)
-  hidden, cache = model.hidden_states(tokens, attention_mask=key_mask, positions=positions,
-                                      cache=cache, cache_index=0)
+  hidden, cache = model.hidden_states(tokens, attention_mask=key_mask[:, :slots],
+                                      positions=positions, cache=cache, cache_index=0)
   logits = model.logits(hidden[:, -1])
   state = DecodeState(
       cache=cache,
@@ -372,30 +407,59 @@ def _prefill(graphdef, params, tokens, mask, num_rows, key, *, config: SamplingC
   return _record(state, tok, lp, lp1, config)
 
 
-def _decode(graphdef, params, state: DecodeState, *, config: SamplingConfig) -> DecodeState:
+def _grow_cache(cache: llm.KVCache, slots: int) -> llm.KVCache:
+  """Zero-pads every layer's cache to ``slots`` slots (keys ``[B, K, D, S]``, values
+  ``[B, K, S, D]``)."""
+  def pad(x, axis):
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, slots - x.shape[axis])
+    return jnp.pad(x, widths)
+
+  return tuple(llm.LayerCache(pad(c.k, 3), pad(c.v, 2)) for c in cache)
+
+
+def _decode(graphdef, params, state: DecodeState, cache: llm.KVCache, *, config: SamplingConfig
+            ) -> DecodeState:
+  """The decode loops from the prefill's ``state`` (its ``cache`` passed apart, see
+  `_compiled`)."""
   model: llm.DecoderLM = nnx.merge(graphdef, params)
+  state = state._replace(cache=cache)
   prompt_len = state.key_mask.shape[1] - config.max_new_tokens
 
-  def cond(s: DecodeState):
-    return (s.step < config.max_new_tokens) & ~jnp.all(s.done)
+  def segment(state: DecodeState, end: int) -> DecodeState:
+    """Steps up to ``end`` (exclusive) on a cache of ``prompt_len + end`` slots."""
+    key_mask = state.key_mask[:, :prompt_len + end]
 
-  def body(s: DecodeState):
-    hidden, cache = model.hidden_states(
-        s.last_token[:, None], attention_mask=s.key_mask, positions=s.next_position[:, None],
-        cache=s.cache, cache_index=prompt_len + s.step - 1)
-    logits = model.logits(hidden[:, 0])
-    u = jax.lax.dynamic_index_in_dim(s.uniforms, s.step, axis=1, keepdims=False)
-    tok, lp, lp1 = sample_logits(logits, u, config)
-    s = s._replace(cache=cache, next_position=s.next_position + 1)
-    return _record(s, tok, lp, lp1, config)
+    def cond(s: DecodeState):
+      return (s.step < end) & ~jnp.all(s.done)
 
-  return jax.lax.while_loop(cond, body, state)
+    def body(s: DecodeState):
+      hidden, cache = model.hidden_states(
+          s.last_token[:, None], attention_mask=key_mask, positions=s.next_position[:, None],
+          cache=s.cache, cache_index=prompt_len + s.step - 1)
+      logits = model.logits(hidden[:, 0])
+      u = jax.lax.dynamic_index_in_dim(s.uniforms, s.step, axis=1, keepdims=False)
+      tok, lp, lp1 = sample_logits(logits, u, config)
+      s = s._replace(cache=cache, next_position=s.next_position + 1)
+      return _record(s, tok, lp, lp1, config)
+
+    return jax.lax.while_loop(cond, body, state)
+
+  for end in config.segment_ends:
+    if state.cache[0].v.shape[2] < prompt_len + end:
+      state = state._replace(cache=_grow_cache(state.cache, prompt_len + end))
+    state = segment(state, end)
+  return state
 
 
 @functools.lru_cache(maxsize=64)
 def _compiled(graphdef, config: SamplingConfig):
   prefill = jax.jit(functools.partial(_prefill, graphdef, config=config))
-  decode = jax.jit(functools.partial(_decode, graphdef, config=config), donate_argnums=(1,))
+  # The loop state is donated. So is the cache when the decode runs in one segment (XLA then
+  # updates it in place); with several, the prefill's cache is smaller than the one returned, so
+  # XLA could not reuse its buffers (it copies them into the first loop instead).
+  donate = (1, 2) if len(config.segment_ends) == 1 else (1,)
+  decode = jax.jit(functools.partial(_decode, graphdef, config=config), donate_argnums=donate)
   return prefill, decode
 
 
@@ -484,7 +548,7 @@ class Sampler:
     state = self._prefill(self.params, tokens, mask, np.int32(n), key)
     jax.block_until_ready(state.step)
     t1 = time.perf_counter()
-    state = self._decode(self.params, state)
+    state = self._decode(self.params, state._replace(cache=()), state.cache)
     out = jax.device_get((state.tokens, state.lengths, state.log_probs, state.log_probs_t1))
     num_steps = int(state.step)
     t2 = time.perf_counter()

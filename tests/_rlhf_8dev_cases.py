@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from rljax import ppo
+from rljax import ppo, sampling
 from rljax.alignment import modeling, pipeline, rlhf
 from rljax.envs.text import arithmetic
 from rljax.models.llm import DecoderLM
@@ -54,6 +54,18 @@ def cache_sizes(tr):
           tr.sampler._prefill._cache_size(), tr.sampler._decode._cache_size()]
 
 
+def segmented_vs_one_loop(tr):
+  """The trainer's sampler (one decode loop at R = 4) against a sampler of the same weights, in
+  the generation layout, that decodes in 2 segments (caches of P + 2 and P + 4 slots):
+  ``[token mismatches, max |log-prob difference|]``."""
+  model = nnx.merge(tr.sampler.graphdef, tr.sampler.params)  # the generation-layout weights
+  seg = sampling.Sampler(model, sampling.SamplingConfig(
+      **{**tr.sampler.config.__dict__, "decode_segments": 2}))
+  a, b = (s.generate(PROMPTS[:24], key=jax.random.key(3)) for s in (tr.sampler, seg))
+  return [int(np.sum(a.tokens != b.tokens)),
+          float(np.max(np.abs(a.log_probs_t1 - b.log_probs_t1)))]
+
+
 def run(tr, ref_rec, ref_params):
   rec = tr.step()
   sizes = cache_sizes(tr)
@@ -71,6 +83,7 @@ def run(tr, ref_rec, ref_params):
   specs = dict(q=spec(layer["attn"]["q_kernel"][...]), embed=spec(actor["embed"][...]),
                mu_embed=spec(mu["embed"][...]), gen_q=spec(gen["layers"][0]["attn"]["q_kernel"][...]))
   devices = (len(actor["embed"][...].sharding.device_set), len(gen["embed"][...].sharding.device_set))
+  segmented = segmented_vs_one_loop(tr)
   rec2 = tr.step()  # donates the actor's params above
   keys = [k for k in ref_rec if not k.startswith("timing/")]
   return dict(
@@ -78,7 +91,7 @@ def run(tr, ref_rec, ref_params):
       metric_diff={k: abs(rec[k] - ref_rec[k]) for k in keys},
       reshard_s=rec["timing/reshard"],
       specs=specs, train_devices=devices[0], gen_devices=devices[1],
-      gen_vs_train_logp=gen_vs_train,
+      gen_vs_train_logp=gen_vs_train, segmented=segmented,
       drift=rec["logprob_drift"], drift2=rec2["logprob_drift"],
       compiles_after_1=sizes, compiles_after_2=cache_sizes(tr))
 

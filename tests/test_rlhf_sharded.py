@@ -62,6 +62,9 @@ def test_generator_log_probs_equal_trainer_log_probs(result, kind):
   r = result[kind]
   assert r["gen_vs_train_logp"] < 1e-5
   assert r["drift"] < 1e-5 and r["drift2"] < 1e-5        # sampler (KV cache) vs trainer forward
+  # The decode in 2 segments (a cache grown between loops) on the generation layout gives the
+  # one-loop decode's tokens and log-probs.
+  assert r["segmented"][0] == 0 and r["segmented"][1] < 1e-5, r["segmented"]
 
 
 @pytest.mark.slow

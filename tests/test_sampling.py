@@ -1,5 +1,7 @@
 """Tests for rljax.sampling: parity with transformers generate, EOS, padding, seeds, filters."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -151,6 +153,43 @@ def test_two_eos_ids_stop_on_either(models):
   assert out.num_steps == 4
 
 
+def test_decode_segments_equal_one_loop(models):
+  """The decode in segments (each a loop over a cache just long enough for its steps, grown
+  between loops) gives the one-loop decode's tokens and log-probs: sampled, with an EOS that
+  stops rows in the first and in the last segment, and rescored by a full forward."""
+  _, model = models["llama_gqa"]
+  prompts = _prompts([5, 9, 2], seed=1)
+  one = sampling.Sampler(model, _config(temperature=0.7, decode_segments=1)).generate(
+      prompts, seed=0)
+  eos = (int(one.tokens[0, 1]), int(one.tokens[2, 6]))
+  for extra in ({}, {"eos_token_ids": eos}):
+    ref = (one if not extra else sampling.Sampler(
+        model, _config(temperature=0.7, decode_segments=1, **extra)).generate(prompts, seed=0))
+    config = _config(temperature=0.7, decode_segments=3, **extra)
+    assert config.segment_ends == (3, 6, 8)  # caches of P + 3, P + 6, P + 8 slots
+    out = sampling.Sampler(model, config).generate(prompts, seed=0)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_array_equal(out.lengths, ref.lengths)
+    assert out.num_steps == ref.num_steps
+    np.testing.assert_allclose(out.log_probs, ref.log_probs, atol=1e-5)
+    np.testing.assert_allclose(out.log_probs_t1, ref.log_probs_t1, atol=1e-5)
+    np.testing.assert_allclose(out.log_probs, _rescore(model, out, 0.7), atol=1e-4)
+  assert ref.lengths[0] == 2 and ref.lengths[2] <= 7  # the EOS case stops rows early
+
+
+def test_decode_segment_ends():
+  ends = lambda r, n=None: sampling.SamplingConfig(max_new_tokens=r,  # noqa: E731
+                                                   decode_segments=n).segment_ends
+  # Automatic: one segment per 32 response tokens, at most 4, ends split R evenly (ceil).
+  assert [ends(r) for r in (1, 32, 33, 48, 96, 128, 1000)] == [
+      (1,), (32,), (17, 33), (24, 48), (32, 64, 96), (32, 64, 96, 128), (250, 500, 750, 1000)]
+  assert ends(10, 3) == (4, 7, 10) and ends(10, 1) == (10,) and ends(4, 4) == (1, 2, 3, 4)
+  for bad in (0, 11):
+    with pytest.raises(ValueError, match=rf"decode_segments must be None or in \[1, "
+                       rf"max_new_tokens=10\], got {bad}"):
+      sampling.SamplingConfig(max_new_tokens=10, decode_segments=bad)
+
+
 def test_same_seed_same_tokens(models):
   _, model = models["llama_gqa"]
   sampler = sampling.Sampler(model, _config())
@@ -271,9 +310,19 @@ def test_decode_donates_the_cache(models):
   sampler = sampling.Sampler(model, GREEDY)
   tokens, mask = sampling.left_pad(_prompts([3]), 16, 4, PAD)
   state = sampler._prefill(sampler.params, tokens, mask, 1, jax.random.key(0))
-  out = sampler._decode(sampler.params, state)
+  out = sampler._decode(sampler.params, state._replace(cache=()), state.cache)
   assert state.cache[0].k.is_deleted() and state.tokens.is_deleted()  # reused in place
   assert out.cache[0].v.shape == (4, model.config.num_kv_heads, 16 + 8, model.config.head_dim)
+  # In segments the prefill's cache holds the first segment's slots (16 + 3) and the decode
+  # returns all 16 + 8; the loop state is still donated, the cache (another shape) is not.
+  sampler = sampling.Sampler(model, _config(temperature=0.0, decode_segments=3))
+  state = sampler._prefill(sampler.params, tokens, mask, 1, jax.random.key(0))
+  assert state.cache[0].v.shape[2] == 16 + 3
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no "donated buffers were not usable"
+    out = sampler._decode(sampler.params, state._replace(cache=()), state.cache)
+  assert state.tokens.is_deleted() and not state.cache[0].k.is_deleted()
+  assert out.cache[0].v.shape[2] == 16 + 8
 
 
 def test_bucket_and_left_pad_helpers():
