@@ -6,8 +6,8 @@ One call of :meth:`Sampler.generate` runs two compiled functions:
    token. Position ids are ``cumsum(mask) - 1``, so every prompt starts at position 0 whatever
    its padding, and all rows write the same cache slot at every step.
 2. **decode** ``lax.while_loop`` s over response steps ``1 .. R-1``: embed the last token, attend
-   over the cache, sample. The loop state (cache included) is donated, so XLA updates the cache
-   in place. It stops after ``max_new_tokens`` or as soon as every row has produced an EOS id.
+   over the cache, sample. XLA updates the cache in place inside each loop; the loop state is
+   donated, and so is the prefill's cache when the decode is one loop. It stops after ``max_new_tokens`` or as soon as every row has produced an EOS id.
 
 The decode runs in segments (:attr:`SamplingConfig.decode_segments`): segment ``j`` is its own
 ``while_loop`` over steps ``[e_{j-1}, e_j)`` on a cache of ``P + e_j`` slots, which is zero-padded
