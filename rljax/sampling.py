@@ -14,8 +14,12 @@ The decode runs in segments (:attr:`SamplingConfig.decode_segments`): segment ``
 to the next segment's length between loops. So step ``t`` attends over at most ``P + e_j`` slots
 instead of ``P + R``, as paged/varlen attention does (vLLM, Kwon et al. 2023) without leaving
 static shapes: with 4 segments the attention reads on average ``P + 5R/8`` slots, not ``P + R``.
-Each segment is one more loop body to compile; long responses pay for it (measured in
-``benchmarks/README.md``).
+Each segment is one more loop body to compile, and while a cache grows the old and the new one
+are both alive: the decode's peak cache memory is up to ``1 + e_{n-1} / e_n`` times one full
+cache (1.75x with 4 segments; XLA's measured temporaries, at ``R = 512``: 265 MB of cache and
+its copies against 152 MB for one loop). So the automatic setting segments on CPU only, where
+long responses run 16-23% faster (``benchmarks/README.md``) and memory is host RAM; on GPU/TPU,
+where the cache is what limits the batch and the gain was not measured, it is one loop.
 
 Shapes are static: prompt lengths and batch sizes are rounded up to buckets
 (:class:`SamplingConfig`), so a training run compiles each (batch bucket, prompt bucket) pair
@@ -84,10 +88,11 @@ class SamplingConfig:
       keeps the attention products in f32, which is faster on CPU (bf16 batched matmuls are
       slow there) at twice the cache memory.
     decode_segments: how many ``while_loop`` s the decode runs in, each over a cache just long
-      enough for its steps (see the module docstring); ``1`` is one loop over all ``P + R``
-      slots. ``None`` (default): one segment per `SEGMENT_TOKENS` (32) response tokens, at most
-      `MAX_AUTO_SEGMENTS` (4), so ``R <= 32`` decodes in one loop and ``R >= 128`` in 4. Must
-      be in ``[1, R]``.
+      enough for its steps (faster for long responses, more peak cache memory: see the module
+      docstring); ``1`` is one loop over all ``P + R`` slots. ``None`` (default): on CPU one
+      segment per `SEGMENT_TOKENS` (32) response tokens, at most `MAX_AUTO_SEGMENTS` (4), so
+      ``R <= 32`` decodes in one loop and ``R >= 128`` in 4; on other backends 1. Must be in
+      ``[1, R]``.
   """
 
   max_new_tokens: int
@@ -135,11 +140,13 @@ class SamplingConfig:
 
     Segment ``j`` produces the tokens of steps ``[e_{j-1}, e_j)`` (``e_0 = 1``: the prefill
     samples token 0) on a cache of ``P + e_j`` slots. ``n`` is :attr:`decode_segments`, or
-    ``min(MAX_AUTO_SEGMENTS, ceil(R / SEGMENT_TOKENS))``; the ends split ``R`` evenly (rounded
-    up), e.g. ``R = 128 -> (32, 64, 96, 128)``, ``R = 48 -> (24, 48)``.
+    ``min(MAX_AUTO_SEGMENTS, ceil(R / SEGMENT_TOKENS))`` on CPU (1 elsewhere); the ends split
+    ``R`` evenly (rounded up), e.g. ``R = 128 -> (32, 64, 96, 128)``, ``R = 48 -> (24, 48)``.
     """
     r = self.max_new_tokens
-    n = self.decode_segments or min(MAX_AUTO_SEGMENTS, -(-r // SEGMENT_TOKENS))
+    n = self.decode_segments
+    if n is None:
+      n = min(MAX_AUTO_SEGMENTS, -(-r // SEGMENT_TOKENS)) if jax.default_backend() == "cpu" else 1
     return tuple(-(-r * (j + 1) // n) for j in range(n))
 
   @property

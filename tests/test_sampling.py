@@ -177,13 +177,16 @@ def test_decode_segments_equal_one_loop(models):
   assert ref.lengths[0] == 2 and ref.lengths[2] <= 7  # the EOS case stops rows early
 
 
-def test_decode_segment_ends():
+def test_decode_segment_ends(monkeypatch):
   ends = lambda r, n=None: sampling.SamplingConfig(max_new_tokens=r,  # noqa: E731
                                                    decode_segments=n).segment_ends
-  # Automatic: one segment per 32 response tokens, at most 4, ends split R evenly (ceil).
+  # Automatic, on CPU: one segment per 32 response tokens, at most 4, ends split R evenly (ceil).
   assert [ends(r) for r in (1, 32, 33, 48, 96, 128, 1000)] == [
       (1,), (32,), (17, 33), (24, 48), (32, 64, 96), (32, 64, 96, 128), (250, 500, 750, 1000)]
   assert ends(10, 3) == (4, 7, 10) and ends(10, 1) == (10,) and ends(4, 4) == (1, 2, 3, 4)
+  # Elsewhere one loop (the segments' peak cache memory), unless asked for.
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert ends(512) == (512,) and ends(512, 4) == (128, 256, 384, 512)
   for bad in (0, 11):
     with pytest.raises(ValueError, match=rf"decode_segments must be None or in \[1, "
                        rf"max_new_tokens=10\], got {bad}"):
