@@ -36,7 +36,8 @@ The JSON holds ``results``: one object per batch size with ``batch_size``,
 ``rljax_tokens_per_s``, ``hf_tokens_per_s``, ``ratio_vs_hf``, ``rljax_compile_s``,
 ``roofline_tokens_per_s`` (f32 decode bound), ``roofline_e2e_tokens_per_s`` (with prefill) and the
 same for bf16 (``rljax_bf16_tokens_per_s``, ``hf_bf16_tokens_per_s``, ``ratio_bf16_vs_hf_bf16``,
-``ratio_bf16_vs_hf``, ``roofline_bf16_tokens_per_s``, ``roofline_e2e_bf16_tokens_per_s``); plus the measured ``machine`` figures and the load average.
+``ratio_bf16_vs_hf``, ``roofline_bf16_tokens_per_s``, ``roofline_e2e_bf16_tokens_per_s``); plus
+the measured ``machine`` figures, the load average and ``decode_segment_ends``.
 """
 
 from __future__ import annotations
@@ -233,8 +234,13 @@ def main(argv=None) -> int:
       timed = time_interleaved(fns, args.repeats)
       first, rl_s = timed["float32"]
       rl_tps = b * r / rl_s
-      hf_by_threads = {t: b * r / timed[f"hf_{t}"][1] for t in hf_threads
-                       if f"hf_{t}" in timed}  # none with --skip-hf
+
+      def hf_rates(prefix: str) -> dict[int, float]:
+        """HF's tokens/s by torch thread count (none with --skip-hf or --no-bf16)."""
+        return {t: b * r / timed[f"hf_{prefix}{t}"][1] for t in hf_threads
+                if f"hf_{prefix}{t}" in timed}
+
+      hf_by_threads = hf_rates("")
       # The baseline is HF's best thread setting (its default one wins on an idle machine; one
       # thread wins when other processes load the CPUs and OpenMP threads wait on each other).
       hf_tps = max(hf_by_threads.values()) if hf_by_threads else float("nan")
@@ -254,8 +260,7 @@ def main(argv=None) -> int:
       }
       if "bfloat16" in timed:
         bf_tps = b * r / timed["bfloat16"][1]
-        hf_bf16 = {t: b * r / timed[f"hf_bf16_{t}"][1] for t in hf_threads
-                   if f"hf_bf16_{t}" in timed}
+        hf_bf16 = hf_rates("bf16_")
         hf_bf16_tps = max(hf_bf16.values()) if hf_bf16 else float("nan")
         bf16 = dict(geometry, weight_bytes=2 * n_params, bytes_per_el=2,
                     flops=machine["bf16_matmul_flops_per_s"])

@@ -6,6 +6,7 @@ tests/test_rlhf_sharded.py (XLA_FLAGS must be set before jax is imported):
 Prints one line ``RESULT <json>`` with the comparisons the test asserts on.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -59,8 +60,7 @@ def segmented_vs_one_loop(tr):
   the generation layout, that decodes in 2 segments (caches of P + 2 and P + 4 slots):
   ``[token mismatches, max |log-prob difference|]``."""
   model = nnx.merge(tr.sampler.graphdef, tr.sampler.params)  # the generation-layout weights
-  seg = sampling.Sampler(model, sampling.SamplingConfig(
-      **{**tr.sampler.config.__dict__, "decode_segments": 2}))
+  seg = sampling.Sampler(model, dataclasses.replace(tr.sampler.config, decode_segments=2))
   a, b = (s.generate(PROMPTS[:24], key=jax.random.key(3)) for s in (tr.sampler, seg))
   return [int(np.sum(a.tokens != b.tokens)),
           float(np.max(np.abs(a.log_probs_t1 - b.log_probs_t1)))]

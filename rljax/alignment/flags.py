@@ -33,6 +33,11 @@ class DataFlags:
   lr: Any
   rm_lr: Any  # None where the script trains no reward model (train_sft.py)
 
+  def _given(self, name: str):
+    """Flag ``name``'s value; None if not given or not defined by this script."""
+    holder = getattr(self, name)
+    return None if holder is None else holder.value
+
   def overrides(self) -> dict[str, Any]:
     """``rljax.alignment.pipeline.PreferenceConfig`` fields set on the command line.
 
@@ -47,8 +52,7 @@ class DataFlags:
                            f"vocabulary come from the model folder {self.model.value!r}")
     out = {"overlong_prompts": self.overlong_prompts.value}
     for key in ("max_prompt_len", "tokenizer", "vocab_size", "model", "lr", "rm_lr"):
-      holder = getattr(self, key)
-      value = None if holder is None else holder.value
+      value = self._given(key)
       if value is not None:
         if key in ("lr", "rm_lr") and not value > 0:
           raise ValueError(f"--{key} must be > 0, got {value}")
@@ -69,8 +73,7 @@ class DataFlags:
       raise ValueError(f"--model {self.model.value!r} needs --preference_data=PATH (the "
                        f"embedded addition task trains its own tiny model)")
     for name in ("lr", "rm_lr"):
-      holder = getattr(self, name)
-      if holder is not None and holder.value is not None and preference_data is None:
+      if self._given(name) is not None and preference_data is None:
         raise ValueError(f"--{name} applies to --preference_data runs only (the embedded "
                          f"addition task keeps its own learning rates)")
 

@@ -66,13 +66,18 @@ def check_video_options(formats: Sequence[str], height: int, width: int) -> tupl
     ValueError: another format, no format, or an odd ``height``/``width`` with MP4; the message
       names the value.
   """
-  formats = tuple(formats)
-  bad = [f for f in formats if f not in VIDEO_FORMATS]
-  if bad or not formats:
-    raise ValueError(
-        f"video formats must be a non-empty subset of {VIDEO_FORMATS}, got {formats}.")
+  formats = _check_formats(formats)
   if "mp4" in formats and (height % 2 or width % 2):
     raise ValueError(f"MP4 needs even height and width, got {height}x{width}.")
+  return formats
+
+
+def _check_formats(formats: Sequence[str]) -> tuple[str, ...]:
+  """``formats`` as a tuple; ValueError unless a non-empty subset of `VIDEO_FORMATS`."""
+  formats = tuple(formats)
+  if not formats or any(f not in VIDEO_FORMATS for f in formats):
+    raise ValueError(
+        f"video formats must be a non-empty subset of {VIDEO_FORMATS}, got {formats}.")
   return formats
 
 
@@ -367,11 +372,7 @@ def _video_paths(path: str, formats: Sequence[str]) -> list[str]:
   stem, ext = os.path.splitext(path)
   if ext.lower().lstrip(".") in VIDEO_FORMATS:
     return [path]
-  bad = [f for f in formats if f not in VIDEO_FORMATS]
-  if bad or not formats:
-    raise ValueError(
-        f"formats must be a non-empty subset of {VIDEO_FORMATS}, got {tuple(formats)}.")
-  return [f"{path}.{f}" for f in formats]
+  return [f"{path}.{f}" for f in _check_formats(formats)]
 
 
 class EvalVideo:
