@@ -290,7 +290,7 @@ def main(argv):
     runtime.primary_print(  # once, from process 0 of a multi-process run
         f"{config.env}: final eval episode reward {final['eval/episode_reward']:.1f} "
         f"after {final['env_steps']:,} env steps; wall {result.wall_s:.1f} s "
-        f"(compile ~{result.compile_s:.1f} s); logdir {logdir}"
+        f"(start-up ~{result.compile_s:.1f} s); logdir {logdir}"
     )
 
   runtime.run_main(run, verbose=_VERBOSE.value)

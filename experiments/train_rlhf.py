@@ -38,14 +38,18 @@ from absl import app, flags
 from rljax import checkpoint as ckpt_lib
 from rljax import run_info, runtime
 from rljax.alignment import flags as alignment_flags
-from rljax.sharding import distributed
 
 _ALGOS = ("ppo", "grpo", "rloo", "reinforce_pp")
+# --preference_data, --logdir, --num_steps, --limit, --seed, --verbose, --mesh,
+# --sharding_rules, process flags, --wandb, and the data flags (rljax.alignment.flags), as in
+# train_sft.py and train_reward_model.py.
+_F = alignment_flags.define_stage_flags(
+    logdir_prefix="rlhf-<algo>", steps_help="RL steps (default: the pipeline's).",
+    data_help="HH-RLHF or {prompt,chosen,rejected} JSONL(.gz); default: embedded task.",
+    mesh_help="Device mesh D,F,T (data, fsdp, tensor sizes). colocated: over all devices "
+    "(default: all on data); disaggregated: the training mesh, the other devices generate.",
+    rules_help="Training sharding preset: fsdp, fsdp_tp, dp or tp (rljax.sharding.rules).")
 _ALGO = flags.DEFINE_string("algo", "ppo", f"RL algorithm: one of {', '.join(_ALGOS)}.")
-_DATA = flags.DEFINE_string("preference_data", None,
-                            "HH-RLHF or {prompt,chosen,rejected} JSONL(.gz); default: embedded task.")
-_LOGDIR = flags.DEFINE_string("logdir", None, "Output directory (default runs/rlhf-<algo>-<time>).")
-_STEPS = flags.DEFINE_integer("num_steps", None, "RL steps (default: the pipeline's).")
 _KL = flags.DEFINE_float("kl_coef", None, "Initial KL coefficient beta.")
 _KL_EST = flags.DEFINE_enum("kl_estimator", None, ["k1", "k2", "k3"], "Per-token KL estimator.")
 _KL_IN = flags.DEFINE_enum("kl_placement", None, ["reward", "loss"], "KL in the reward or the loss.")
@@ -60,29 +64,20 @@ _MICROBATCHES = flags.DEFINE_integer(
     "num_microbatches", None, "Gradient accumulation: parts each PPO minibatch's gradient is "
     "computed over, one at a time (must divide the minibatch's sequences; default 1).")
 _OVERLONG = flags.DEFINE_integer("overlong_buffer", None, "DAPO overlong buffer (tokens; 0 = off).")
-_LIMIT = flags.DEFINE_integer("limit", None, "Read at most this many preference pairs.")
 _NONFINITE = flags.DEFINE_enum(
     "nonfinite", None, ["skip", "halt"], "A non-finite reward, loss or gradient: skip that "
     "update with a warning, or halt (exit 3) after checkpointing the last good state.")
 _COMPUTE_DTYPE = flags.DEFINE_enum(
     "compute_dtype", None, ["float32", "bfloat16"], "Mixed precision: the dtype of every forward "
     "and backward matmul (bfloat16: as TRL's --bf16 autocast); weights and optimizer stay f32.")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed.")
 _CACHE = flags.DEFINE_bool("compilation_cache", True, "Use JAX's persistent compilation cache.")
-_VERBOSE = flags.DEFINE_bool("verbose", False, "Print tracebacks for user errors.")
-_WANDB = run_info.define_wandb_flag()
-# Devices: mesh, rules, role placement (rljax.alignment.pipeline.make_placement), processes.
-_MESH_FLAGS = alignment_flags.define_mesh_flags(
-    mesh_help="Device mesh D,F,T (data, fsdp, tensor sizes). colocated: over all devices "
-    "(default: all on data); disaggregated: the training mesh, the other devices generate.",
-    rules_help="Training sharding preset: fsdp, fsdp_tp, dp or tp (rljax.sharding.rules).")
+# Role placement (rljax.alignment.pipeline.make_placement) beside --mesh and --sharding_rules.
 _PLACEMENT = flags.DEFINE_string(
     "placement", "colocated", "colocated (all roles on one mesh; the actor is resharded from the "
     "training layout to tp for generation) or disaggregated (generation on separate devices).")
 _OFFLOAD = flags.DEFINE_bool(
     "offload_frozen", False, "Keep the frozen roles (reference, reward model) in host memory "
     "(pinned_host) between uses, freeing device memory on GPU/TPU; on CPU it is the same RAM.")
-distributed.define_flags()
 # Checkpoints, resume and preemption (names as in train_control.py).
 _DEVICE_MEMORY = ckpt_lib.define_device_memory_flag()
 _RESUME = flags.DEFINE_bool(
@@ -101,13 +96,14 @@ _EVAL_PROMPTS = flags.DEFINE_integer(
     "num_eval_prompts", None, "Embedded: held-out problems for greedy accuracy (0 = none).")
 _PPS = flags.DEFINE_integer("prompts_per_step", None, "Prompts per RL step.")
 
-# Preference data: prompt budget, tokenizer, --model (rljax.alignment.flags).
-_DATA_FLAGS = alignment_flags.define_data_flags()
-
 
 def rl_overrides() -> dict:
-  out = {"seed": _SEED.value}
-  for key, flag in (("num_steps", _STEPS), ("kl_coef", _KL), ("kl_estimator", _KL_EST),
+  """RLConfig fields set by flags (``--num_steps`` checked >= 1)."""
+  out = {"seed": _F.seed.value}
+  steps = _F.checked_num_steps()
+  if steps is not None:
+    out["num_steps"] = steps
+  for key, flag in (("kl_coef", _KL), ("kl_estimator", _KL_EST),
                     ("kl_placement", _KL_IN), ("adaptive_kl", _ADAPTIVE), ("kl_target", _KL_TARGET),
                     ("overlong_buffer", _OVERLONG), ("kl_horizon", _KL_HORIZON),
                     ("actor_lr", _ACTOR_LR), ("critic_lr", _CRITIC_LR), ("nonfinite", _NONFINITE),
@@ -158,34 +154,33 @@ def with_ppo_flags(rl):
 
 def main(argv):
   del argv
-  runtime.configure_logging(_VERBOSE.value)
+  runtime.configure_logging(_F.verbose.value)
 
   def run():
     from rljax.alignment import pipeline
     from rljax.checkpoint import check_writable
 
-    distributed.initialize_from_flags()  # no-op for one process outside SLURM
+    # Processes joined (a no-op for one process outside SLURM), --mesh and --placement checked,
+    # before anything compiles.
+    placement = _F.start(_PLACEMENT.value, offload_frozen=_OFFLOAD.value)
     check_algo(_ALGO.value)
     if _CRITIC_LR.value is not None and _ALGO.value != "ppo":
       raise ValueError(f"--critic_lr applies to --algo=ppo only ({_ALGO.value} has no critic)")
     check_checkpoint_flags()
-    placement = pipeline.make_placement(
-        _MESH_FLAGS.mesh.value, _MESH_FLAGS.sharding_rules.value, _PLACEMENT.value,
-        offload_frozen=_OFFLOAD.value)
-    logdir = _LOGDIR.value or os.path.join(
-        "runs", f"rlhf-{_ALGO.value}-{time.strftime('%Y%m%d-%H%M%S')}")
+    logdir = _F.resolved_logdir(time.strftime("%Y%m%d-%H%M%S"), prefix=f"rlhf-{_ALGO.value}")
     overrides = rl_overrides()
     if _PPS.value is not None:
       overrides["prompts_per_step"] = _PPS.value
-    _DATA_FLAGS.check_data(_DATA.value)
-    if _DATA.value is None:
+    _F.data.check_data(_F.preference_data.value)
+    data = _F.preference_data.value
+    if data is None:
       rl = pipeline.default_rl_config(_ALGO.value, **overrides)
       rl = with_ppo_flags(rl)
-      config = pipeline.EmbeddedConfig(rl=rl, seed=_SEED.value, **stage_overrides())
+      config = pipeline.EmbeddedConfig(rl=rl, seed=_F.seed.value, **stage_overrides())
     else:
-      if not os.path.exists(_DATA.value):
-        raise FileNotFoundError(f"--preference_data {_DATA.value!r} does not exist")
-      base = _DATA_FLAGS.base_config()  # with --model: its pretrained learning rates
+      if not os.path.exists(data):
+        raise FileNotFoundError(f"--preference_data {data!r} does not exist")
+      base = _F.data.base_config()  # with --model: its pretrained learning rates
       group = 4 if _ALGO.value in ("grpo", "rloo") else 1
       overrides.setdefault("prompts_per_step", base.rl.prompts_per_step // group)
       rl = dataclasses.replace(base.rl, algo=_ALGO.value, group_size=group, **overrides)
@@ -193,8 +188,8 @@ def main(argv):
       stages = {k: v for k, v in stage_overrides().items() if k != "num_eval_prompts"}
       if _RM_STEPS.value is not None:
         stages["rm_steps"] = _RM_STEPS.value
-      config = dataclasses.replace(base, rl=rl, limit=_LIMIT.value, seed=_SEED.value,
-                                   **_DATA_FLAGS.overrides(), **stages)
+      config = dataclasses.replace(base, rl=rl, limit=_F.limit.value, seed=_F.seed.value,
+                                   **_F.data.overrides(), **stages)
     pipeline.check_placement(placement, rl=config.rl,
                              batch_sizes={"batch_size": config.batch_size})  # before compiling
     check_writable(logdir)
@@ -207,7 +202,7 @@ def main(argv):
           logdir, num_devices=1 if placement is None else jax.device_count(),
           device_bytes=ckpt_lib.device_bytes_from_flag(_DEVICE_MEMORY.value),
           extra_items=(os.path.join(ckpting.frozen_dir(logdir), "roles"),))
-    run_info.start_run(logdir, config, use_wandb=_WANDB.value)
+    run_info.start_run(logdir, config, use_wandb=_F.wandb.value)
     if _CACHE.value:
       runtime.enable_compilation_cache(_CACHE_DIR.value)
     from rljax import checkpoint as ckpt
@@ -225,7 +220,7 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         return 3
 
-  runtime.run_main(run, verbose=_VERBOSE.value)
+  runtime.run_main(run, verbose=_F.verbose.value)
 
 
 def _steps(n: int) -> str:
@@ -240,7 +235,8 @@ def _accuracy(before: float, after: float) -> str:
 
 def report(pipeline, config, logdir, **kw) -> None:
   """Runs the selected pipeline and prints its one-line summary."""
-  if _DATA.value is None:
+  data = _F.preference_data.value
+  if data is None:
     s = pipeline.run_embedded(config, logdir=logdir, log=runtime.primary_print, **kw)
     runtime.primary_print(
         f"embedded {_ALGO.value}: mean reward {s['reward_first']:.3f} (first "
@@ -249,11 +245,11 @@ def report(pipeline, config, logdir, **kw) -> None:
         f"{_accuracy(s['accuracy_before'], s['accuracy_after'])}; "
         f"wall {s['wall_s']:.0f} s; logdir {logdir}")
   else:
-    s = pipeline.run_preference(_DATA.value, config, logdir=logdir, log=runtime.primary_print,
+    s = pipeline.run_preference(data, config, logdir=logdir, log=runtime.primary_print,
                                 **kw)
     lo, hi = s["rm_ci"]
     runtime.primary_print(
-        f"{_DATA.value}: reward model held-out accuracy {s['rm_accuracy']:.3f} "
+        f"{data}: reward model held-out accuracy {s['rm_accuracy']:.3f} "
         f"(95% CI {lo:.3f}-{hi:.3f}, n={s['rm_heldout']}); {_ALGO.value} reward "
         f"{s['reward_first']:.3f} (first {_steps(s['summary_steps'])}) -> "
         f"{s['reward_last']:.3f} (last {s['summary_steps']}), KL last {s['kl_last']:.3f} "

@@ -47,8 +47,11 @@ def test_build_apg_config_from_script_overrides():
   config = apg.build_apg_config("playground/CartpoleSwingup", {"num_envs": 8, "lr_decay": 0.9})
   assert (config.num_envs, config.lr_decay, config.horizon_length) == (8, 0.9, 128)
   with pytest.raises(ConfigError, match="--num_minibatches does not apply to --algo=apg; "
-                                        "APG's settings .* are .*--horizon_length"):
+                                        "APG's settings .* are .*--horizon_length") as e:
     apg.build_apg_config("playground/CartpoleSwingup", {"num_minibatches": 4})
+  # env_kwargs is no flag of train_control.py, so it is not listed as one.
+  assert "--env_kwargs" not in str(e.value)
+  assert str(e.value).endswith("--truncation_length (and env_kwargs, in Python only).")
   only = apg.apg_only_fields()
   assert "horizon_length" in only and "solver_iterations" in only and "num_envs" not in only
 

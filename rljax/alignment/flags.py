@@ -130,8 +130,9 @@ def define_mesh_flags(mesh_help: str = "Device mesh D,F,T (data, fsdp, tensor si
 
 @dataclasses.dataclass(frozen=True)
 class StageFlags:
-  """The flags of a one-stage script (``train_sft.py``, ``train_reward_model.py``): data, output
-  folder, step count, pair limit, seed, ``--verbose``, devices, ``--wandb`` and `DataFlags`.
+  """The flags every alignment script shares (``train_sft.py``, ``train_reward_model.py``,
+  ``train_rlhf.py``): data, output folder, step count, pair limit, seed, ``--verbose``, devices,
+  ``--wandb`` and `DataFlags`.
 
   ``--coordinator_address`` and the other process flags are defined too
   (``rljax.sharding.distributed.define_flags``).
@@ -148,23 +149,26 @@ class StageFlags:
   data: DataFlags
   logdir_prefix: str
 
-  def resolved_logdir(self, now: str) -> str:
-    """``--logdir``, or ``runs/<logdir_prefix>-<now>`` (``now`` e.g. ``"20261202-101500"``)."""
-    return self.logdir.value or os.path.join("runs", f"{self.logdir_prefix}-{now}")
+  def resolved_logdir(self, now: str, prefix: str | None = None) -> str:
+    """``--logdir``, or ``runs/<prefix>-<now>`` (``now`` e.g. ``"20261202-101500"``; ``prefix``
+    defaults to ``logdir_prefix``)."""
+    return self.logdir.value or os.path.join("runs", f"{prefix or self.logdir_prefix}-{now}")
 
-  def start(self):
+  def start(self, placement: str = "colocated", *, offload_frozen: bool = False):
     """Joins the processes (the process flags; a no-op for one process outside SLURM) and
     returns the placement of ``--mesh`` by ``--sharding_rules``
-    (``rljax.alignment.pipeline.make_placement``), checked before anything compiles.
+    (``rljax.alignment.pipeline.make_placement``, which takes ``placement`` and
+    ``offload_frozen``), checked before anything compiles.
 
     Raises:
-      ValueError: an unknown ``--sharding_rules`` preset.
+      ValueError: an unknown ``--sharding_rules`` preset or ``placement``.
       rljax.sharding.mesh.MeshError: a ``--mesh`` that does not fit the devices.
     """
     from rljax.alignment import pipeline
 
     distributed.initialize_from_flags()
-    return pipeline.make_placement(self.mesh.mesh.value, self.mesh.sharding_rules.value)
+    return pipeline.make_placement(self.mesh.mesh.value, self.mesh.sharding_rules.value,
+                                   placement, offload_frozen=offload_frozen)
 
   def checked_num_steps(self) -> int | None:
     """``--num_steps`` (None when not given).
@@ -179,23 +183,26 @@ class StageFlags:
 
 
 def define_stage_flags(*, logdir_prefix: str, data_help: str, steps_help: str,
-                       reward_model: bool = True) -> StageFlags:
+                       reward_model: bool = True, mesh_help: str | None = None,
+                       rules_help: str | None = None) -> StageFlags:
   """Defines ``--preference_data`` (help ``data_help``), ``--logdir`` (default
   ``runs/<logdir_prefix>-<time>``), ``--num_steps`` (help ``steps_help``), ``--limit``,
-  ``--seed``, ``--verbose``, the mesh flags (`define_mesh_flags`), the process flags, ``--wandb``
-  and the data flags (`define_data_flags`, ``--rm_lr`` only where ``reward_model``); call once,
-  at a script's module level."""
+  ``--seed``, ``--verbose``, the mesh flags (`define_mesh_flags`, with ``mesh_help`` and
+  ``rules_help`` where given), the process flags, ``--wandb`` and the data flags
+  (`define_data_flags`, ``--rm_lr`` only where ``reward_model``); call once, at a script's
+  module level."""
+  mesh_kw = {k: v for k, v in (("mesh_help", mesh_help), ("rules_help", rules_help)) if v}
   out = StageFlags(
       preference_data=flags.DEFINE_string("preference_data", None, data_help),
       logdir=flags.DEFINE_string(
           "logdir", None, f"Output directory (default runs/{logdir_prefix}-<time>)."),
       num_steps=flags.DEFINE_integer("num_steps", None, steps_help),
-      limit=flags.DEFINE_integer("limit", None, "Read at most this many pairs."),
+      limit=flags.DEFINE_integer("limit", None, "Read at most this many preference pairs."),
       seed=flags.DEFINE_integer("seed", 0, "Seed."),
       verbose=flags.DEFINE_bool("verbose", False, "Print tracebacks for user errors."),
       # Devices (rljax.alignment.pipeline.make_placement): the model trains on --mesh by
       # --sharding_rules.
-      mesh=define_mesh_flags(),
+      mesh=define_mesh_flags(**mesh_kw),
       wandb=run_info.define_wandb_flag(),
       # Preference data: prompt budget, tokenizer, --model.
       data=define_data_flags(reward_model=reward_model),

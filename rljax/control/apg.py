@@ -259,10 +259,12 @@ def build_apg_config(env: str, overrides: dict[str, Any]) -> APGConfig:
   unknown = sorted(k for k in overrides if k not in names)
   if unknown:
     verb = "does" if len(unknown) == 1 else "do"
+    # env_kwargs is an APGConfig field but no flag of train_control.py (a dict, set in Python).
+    flag_names = sorted(names - {"env_kwargs"})
     raise ConfigError(
         f"{', '.join('--' + k for k in unknown)} {verb} not apply to --algo=apg; APG's "
         f"settings (rljax.control.apg.APGConfig) are "
-        f"{', '.join('--' + n for n in sorted(names))}."
+        f"{', '.join('--' + n for n in flag_names)} (and env_kwargs, in Python only)."
     )
   return default_apg_config(env).replace(**overrides)
 

@@ -72,6 +72,11 @@ def check_video_options(formats: Sequence[str], height: int, width: int) -> tupl
   return formats
 
 
+def _video_ext(path: str) -> str:
+  """``path``'s extension, lower case, without the dot (``"mp4"`` for ``a/b.MP4``)."""
+  return os.path.splitext(path)[1].lower().lstrip(".")
+
+
 def _check_formats(formats: Sequence[str]) -> tuple[str, ...]:
   """``formats`` as a tuple; ValueError unless a non-empty subset of `VIDEO_FORMATS`."""
   formats = tuple(formats)
@@ -323,7 +328,7 @@ def write_video(frames: np.ndarray, path: str, *, fps: float) -> str:
     ValueError: another extension, or odd ``H``/``W`` for MP4 (H.264 needs even sizes).
     RenderError: MP4 without an ``ffmpeg`` binary.
   """
-  ext = os.path.splitext(path)[1].lower().lstrip(".")
+  ext = _video_ext(path)
   if ext not in VIDEO_FORMATS:
     raise ValueError(f"video path must end in .mp4 or .gif, got {path!r}.")
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -369,8 +374,9 @@ class RenderResult:
 
 
 def _video_paths(path: str, formats: Sequence[str]) -> list[str]:
-  stem, ext = os.path.splitext(path)
-  if ext.lower().lstrip(".") in VIDEO_FORMATS:
+  """The files a call with ``path`` writes: ``path`` itself when it ends in ``.mp4``/``.gif``,
+  else ``path.<f>`` for each of ``formats`` (checked)."""
+  if _video_ext(path) in VIDEO_FORMATS:
     return [path]
   return [f"{path}.{f}" for f in _check_formats(formats)]
 
@@ -410,7 +416,7 @@ class EvalVideo:
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")
     if not max_fps > 0:
       raise ValueError(f"max_fps must be > 0, got {max_fps!r}.")
-    _video_paths("x", formats)  # validates formats
+    _check_formats(formats)
     self.env = env
     self.camera = check_camera(env, camera)
     self.height, self.width = height, width
@@ -426,8 +432,7 @@ class EvalVideo:
   def __call__(self, policy_params, path: str, key: Array | None = None) -> RenderResult:
     """Renders episodes from ``key`` (default ``PRNGKey(0)``) to ``path``; see `render_rollout`."""
     paths = _video_paths(path, self.formats)
-    if any(p.lower().endswith(".mp4") for p in paths) and (self.height % 2 or self.width % 2):
-      raise ValueError(f"MP4 needs even height and width, got {self.height}x{self.width}.")
+    check_video_options([_video_ext(p) for p in paths], self.height, self.width)
     setup_gl(self.gl_backend)
     key = jax.random.PRNGKey(0) if key is None else key
     fields, dones, rewards = jax.device_get(self.rollout(policy_params, key))
