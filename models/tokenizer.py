@@ -153,23 +153,30 @@ class Tokenizer:
 
   @property
   def chat_template(self) -> str | None:
+    """The default Jinja chat template from ``tokenizer_config.json``, or None."""
     return self.chat_templates.get("default")
 
   # ---- text <-> ids ----------------------------------------------------------------------
 
   def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of ``text``, with the post-processor's special tokens (e.g. BOS) unless
+    ``add_special_tokens=False``; as ``transformers``' ``tokenizer(text)["input_ids"]``."""
     return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
   def encode_batch(self, texts: Sequence[str], *, add_special_tokens: bool = True
                    ) -> list[list[int]]:
+    """`encode` of each text (the backend's batch encoder; no padding)."""
     return [e.ids for e in self.backend.encode_batch(list(texts),
                                                       add_special_tokens=add_special_tokens)]
 
   def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+    """Text of ``ids`` (ints or numpy ints), special tokens dropped unless
+    ``skip_special_tokens=False``."""
     return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
   def decode_batch(self, batch: Sequence[Sequence[int]], *, skip_special_tokens: bool = True
                    ) -> list[str]:
+    """`decode` of each row (e.g. ``SampleOutput.tokens [B, R]``)."""
     return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in batch]
 
   # ---- chat ------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ class NonFiniteHalt(RuntimeError):
 
 
 def checkpoint_dir(logdir: str) -> str:
+  """``<logdir>/checkpoints`` as an absolute path (orbax needs one)."""
   return os.path.join(os.path.abspath(logdir), "checkpoints")
 
 

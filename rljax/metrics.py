@@ -111,6 +111,7 @@ class MetricsWriter:
         self._bar.set_postfix(shown, refresh=True)
 
   def close(self) -> None:
+    """Closes the progress bar, the TensorBoard writer and ``metrics.jsonl``."""
     if self._bar is not None:
       self._bar.close()
     if self._tb is not None:

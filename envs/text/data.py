@@ -271,6 +271,7 @@ class DataPosition(NamedTuple):
 
 
 def init_data_position(seed: int) -> DataPosition:
+  """The start of epoch 0 of the order shuffled by ``seed``."""
   return DataPosition(0, 0, int(seed))
 
 

@@ -115,6 +115,7 @@ def state_from_items(template: rlhf.RLHFState, policy: dict[str, Any],
 
 
 def frozen_dir(logdir: str) -> str:
+  """``<logdir>/frozen`` (absolute): the frozen roles' checkpoint (reference, reward model)."""
   return os.path.join(os.path.abspath(logdir), FROZEN_DIR)
 
 

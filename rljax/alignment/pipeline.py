@@ -121,6 +121,8 @@ def default_rl_config(algo: str, **overrides) -> rlhf.RLHFConfig:
 def tiny_lm_config(vocab_size: int, *, hidden_size: int = 64, num_layers: int = 2,
                    num_heads: int = 4, num_kv_heads: int = 2, eos: int = 2, pad: int = 0,
                    bos: int = 1) -> LMConfig:
+  """A small Llama-style `LMConfig` for the embedded task and tests (SwiGLU width
+  ``3 * hidden_size``; special token ids ``eos``, ``pad``, ``bos``)."""
   return LMConfig(vocab_size=vocab_size, hidden_size=hidden_size,
                   intermediate_size=3 * hidden_size, num_layers=num_layers, num_heads=num_heads,
                   num_kv_heads=num_kv_heads, eos_token_id=eos, pad_token_id=pad, bos_token_id=bos)

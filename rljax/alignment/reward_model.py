@@ -70,6 +70,8 @@ class RewardModelConfig:
 
 
 class RewardModelState(NamedTuple):
+  """Train state: parameters (``nnx.State``), optimizer state, step, data position."""
+
   params: Any
   opt_state: Any
   step: int
@@ -120,6 +122,17 @@ def make_batch(pairs: Sequence[Pair], length: int, pad_id: int) -> dict[str, np.
 
 
 def rm_loss(graphdef, params, batch, margin: float):
+  """Bradley-Terry loss of a `make_batch` batch (Ouyang et al. 2022, eq. 1; Llama 2's margin).
+
+  Args:
+    graphdef, params: the reward model (``nnx.split``).
+    batch: ``tokens, mask [2N, L]``, rows ``0..N-1`` chosen and ``N..2N-1`` rejected.
+    margin: ``m >= 0`` in ``-log sigmoid(r_chosen - r_rejected - m)``.
+
+  Returns:
+    ``(loss, metrics)`` from `rljax.alignment.losses.bradley_terry_loss`: the scalar f32 mean
+    loss over the ``N`` pairs and its pairwise accuracy.
+  """
   scores = modeling.sequence_scores(graphdef, params, batch["tokens"], batch["mask"])
   n = scores.shape[0] // 2
   return losses.bradley_terry_loss(scores[:n], scores[n:], margin=margin)

@@ -54,6 +54,9 @@ from rljax.sharding import rules as rules_lib
 
 
 class Algorithm(enum.Enum):
+  """The RL algorithm (`RLHFConfig.algo`); all four use `rljax.ppo.ppo_loss`, they differ in
+  the advantages."""
+
   PPO = "ppo"                    # critic + GAE
   GRPO = "grpo"                  # group-relative, std-normalised
   RLOO = "rloo"                  # leave-one-out baseline
@@ -61,11 +64,15 @@ class Algorithm(enum.Enum):
 
 
 class KLPlacement(enum.Enum):
+  """Where the KL penalty to the reference enters (`RLHFConfig.kl_placement`)."""
+
   REWARD = "reward"  # r_t -= beta * k(x_t)  (use k1 or k3: unbiased values)
   LOSS = "loss"      # loss += beta * agg(k(x_t))  (use k2: unbiased gradient; GRPO uses k3)
 
 
 class CriticInit(enum.Enum):
+  """What the PPO critic's weights start from (`RLHFConfig.critic_init`)."""
+
   REWARD = "reward"  # from the reward model (its reward head becomes the value head)
   ACTOR = "actor"    # from the SFT policy (fresh value head)
 
@@ -517,9 +524,11 @@ class RLHFTrainer:
     return scores
 
   def tokenizer_decode(self, rows):
+    """Decoded text of each token-id row (e.g. ``SampleOutput.tokens [B, R]``)."""
     return [self.tokenizer.decode(r) for r in rows]
 
   def actor_params(self):
+    """The actor's current parameters (``nnx.State``, in the training layout)."""
     return self.state.ppo_state.params["actor"]
 
   def actor_model(self):

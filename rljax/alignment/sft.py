@@ -265,6 +265,7 @@ def tokenize_examples(examples: Sequence[text_data.SFTExample], tokenizer, *, ma
 
 
 def init_state(params, optimizer, seed: int) -> SFTState:
+  """Step 0: ``optimizer.init(params)`` and the data position of epoch 0 shuffled by ``seed``."""
   return SFTState(params, optimizer.init(params), 0, text_data.init_data_position(seed))
 
 

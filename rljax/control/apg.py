@@ -471,6 +471,8 @@ class APGTrainer:
     return self.updates_per_chunk * self.config.env_steps_per_update
 
   def init(self, params) -> tuple[APGState, Any]:
+    """The state at step 0 from policy ``params``: ``(APGState, env_state)`` with the
+    environments reset (and scrambled over their episodes when ``scramble_episodes``)."""
     c = self.config
     key_env, key_scramble, key_train = jax.random.split(jax.random.PRNGKey(c.seed), 3)
     state = APGState(

@@ -202,18 +202,27 @@ class ControlConfig:
 
   @property
   def segments_per_iteration(self) -> int:
+    """Rollout segments of ``unroll_length`` steps per iteration: ``batch_size`` or
+    ``num_envs``."""
     return self.batch_size or self.num_envs
 
   @property
   def unrolls_per_iteration(self) -> int:
+    """Unrolls of all ``num_envs`` environments per iteration."""
     return self.segments_per_iteration // self.num_envs
 
   @property
   def env_steps_per_iteration(self) -> int:
+    """Environment steps per iteration, action repeats counted (Brax's convention)."""
     return self.segments_per_iteration * self.unroll_length * self.action_repeat
 
   @property
   def ppo(self) -> PPOConfig:
+    """The `rljax.ppo.PPOConfig` of these fields (token-mean loss: one token per step).
+
+    Raises:
+      ValueError: a PPO field out of range (from ``PPOConfig``).
+    """
     return PPOConfig(
         clip_eps=self.clip_eps,
         vf_coef=self.vf_coef,
@@ -226,10 +235,12 @@ class ControlConfig:
     )
 
   def to_json(self) -> str:
+    """Every field as indented, key-sorted JSON (``checkpoints/config.json``)."""
     return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
   @classmethod
   def from_json(cls, text: str) -> "ControlConfig":
+    """The config `to_json` wrote (tuples restored); checked as at construction."""
     d = json.loads(text)
     for k in ("policy_hidden", "value_hidden"):
       d[k] = tuple(d[k])
@@ -237,6 +248,7 @@ class ControlConfig:
     return cls(**d)
 
   def replace(self, **changes) -> "ControlConfig":
+    """A copy with ``changes`` (``dataclasses.replace``), checked as at construction."""
     return dataclasses.replace(self, **changes)
 
 
