@@ -16,6 +16,7 @@ if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null
 fi
 SYSTEM_PACKAGES="libosmesa6 ffmpeg slurmctld slurmd slurm-client munge"
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "install.sh: apt-get install $SYSTEM_PACKAGES (already installed ones are kept)" >&2
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $SYSTEM_PACKAGES >/dev/null
 else
