@@ -20,12 +20,15 @@ from absl import app, flags
 from rljax import run_info, runtime
 from rljax.alignment import flags as alignment_flags
 
-# --preference_data, --logdir, --num_steps, --limit, --seed, --verbose, --mesh,
+# --preference_data, --logdir, --num_steps, --pretrain_steps, --limit, --seed, --verbose, --mesh,
 # --sharding_rules, process flags, --wandb, and the data flags (rljax.alignment.flags).
 _F = alignment_flags.define_stage_flags(
     logdir_prefix="rm", steps_help="Reward-model steps.",
     data_help="HH-RLHF or {prompt,chosen,rejected} JSONL(.gz). Required.")
 _MARGIN = flags.DEFINE_float("margin", None, "Bradley-Terry margin.")
+_SFT_STEPS = flags.DEFINE_integer(
+    "sft_steps", None, "SFT steps before the reward model, which starts from the SFT model "
+    "(default: the pipeline's).")
 
 
 def main(argv):
@@ -45,10 +48,15 @@ def main(argv):
       raise FileNotFoundError(f"--preference_data {data!r} does not exist")
     logdir = _F.resolved_logdir(time.strftime("%Y%m%d-%H%M%S"))
     steps = _F.checked_num_steps()
-    cfg = dataclasses.replace(_F.data.base_config(), limit=_F.limit.value,
-                              seed=_F.seed.value, **_F.data.overrides())
+    cfg = _F.with_pretrain_steps(dataclasses.replace(
+        _F.data.base_config(), limit=_F.limit.value, seed=_F.seed.value,
+        **_F.data.overrides()))
     if steps is not None:
       cfg = dataclasses.replace(cfg, rm_steps=steps)
+    if _SFT_STEPS.value is not None:
+      if _SFT_STEPS.value < 1:
+        raise ValueError(f"--sft_steps must be >= 1, got {_SFT_STEPS.value}")
+      cfg = dataclasses.replace(cfg, sft_steps=_SFT_STEPS.value)
     if _MARGIN.value is not None:
       if _MARGIN.value < 0:
         raise ValueError(f"--margin must be >= 0, got {_MARGIN.value}")

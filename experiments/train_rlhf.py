@@ -40,7 +40,7 @@ from rljax import run_info, runtime
 from rljax.alignment import flags as alignment_flags
 
 _ALGOS = ("ppo", "grpo", "rloo", "reinforce_pp")
-# --preference_data, --logdir, --num_steps, --limit, --seed, --verbose, --mesh,
+# --preference_data, --logdir, --num_steps, --pretrain_steps, --limit, --seed, --verbose, --mesh,
 # --sharding_rules, process flags, --wandb, and the data flags (rljax.alignment.flags), as in
 # train_sft.py and train_reward_model.py.
 _F = alignment_flags.define_stage_flags(
@@ -87,8 +87,6 @@ _KEEP = flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept (the newes
 _CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", None,
                                  "Cache directory (default ~/.cache/rljax).")
 # Stage sizes (tests and quick runs use small ones).
-_PRETRAIN = flags.DEFINE_integer(
-    "pretrain_steps", None, "Pre-training steps (embedded task and --preference_data runs).")
 _SFT_STEPS = flags.DEFINE_integer(
     "sft_steps", None, "SFT steps (embedded task and --preference_data runs).")
 _RM_STEPS = flags.DEFINE_integer("rm_steps", None, "--preference_data: reward-model steps.")
@@ -133,7 +131,7 @@ def check_checkpoint_flags() -> None:
 def stage_overrides() -> dict:
   """EmbeddedConfig fields set by flags."""
   out = {}
-  for key, flag in (("pretrain_steps", _PRETRAIN), ("sft_steps", _SFT_STEPS),
+  for key, flag in (("sft_steps", _SFT_STEPS),
                     ("num_eval_prompts", _EVAL_PROMPTS)):
     if flag.value is not None:
       out[key] = flag.value
@@ -171,12 +169,13 @@ def main(argv):
     overrides = rl_overrides()
     if _PPS.value is not None:
       overrides["prompts_per_step"] = _PPS.value
-    _F.data.check_data(_F.preference_data.value)
     data = _F.preference_data.value
+    _F.data.check_data(data)
     if data is None:
       rl = pipeline.default_rl_config(_ALGO.value, **overrides)
       rl = with_ppo_flags(rl)
-      config = pipeline.EmbeddedConfig(rl=rl, seed=_F.seed.value, **stage_overrides())
+      config = _F.with_pretrain_steps(
+          pipeline.EmbeddedConfig(rl=rl, seed=_F.seed.value, **stage_overrides()))
     else:
       if not os.path.exists(data):
         raise FileNotFoundError(f"--preference_data {data!r} does not exist")
@@ -188,8 +187,9 @@ def main(argv):
       stages = {k: v for k, v in stage_overrides().items() if k != "num_eval_prompts"}
       if _RM_STEPS.value is not None:
         stages["rm_steps"] = _RM_STEPS.value
-      config = dataclasses.replace(base, rl=rl, limit=_F.limit.value, seed=_F.seed.value,
-                                   **_F.data.overrides(), **stages)
+      config = _F.with_pretrain_steps(dataclasses.replace(
+          base, rl=rl, limit=_F.limit.value, seed=_F.seed.value, **_F.data.overrides(),
+          **stages))
     pipeline.check_placement(placement, rl=config.rl,
                              batch_sizes={"batch_size": config.batch_size})  # before compiling
     check_writable(logdir)

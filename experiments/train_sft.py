@@ -17,7 +17,7 @@ from absl import app
 from rljax import run_info, runtime
 from rljax.alignment import flags as alignment_flags
 
-# --preference_data, --logdir, --num_steps, --limit, --seed, --verbose, --mesh,
+# --preference_data, --logdir, --num_steps, --pretrain_steps, --limit, --seed, --verbose, --mesh,
 # --sharding_rules, process flags, --wandb, and the data flags but --rm_lr (rljax.alignment.flags).
 _F = alignment_flags.define_stage_flags(
     logdir_prefix="sft", steps_help="SFT steps.",
@@ -42,7 +42,7 @@ def main(argv):
     check_writable(logdir)
     runtime.enable_compilation_cache()
     if data is None:
-      cfg = pipeline.EmbeddedConfig(seed=_F.seed.value)
+      cfg = _F.with_pretrain_steps(pipeline.EmbeddedConfig(seed=_F.seed.value))
       if steps is not None:
         cfg = dataclasses.replace(cfg, sft_steps=steps)
       run_info.start_run(logdir, cfg, use_wandb=_F.wandb.value)
@@ -52,8 +52,9 @@ def main(argv):
           f"embedded SFT: greedy exact-match accuracy {s['accuracy_before']:.3f}; "
           f"wall {s['wall_s']:.0f} s; logdir {logdir}")
     else:
-      cfg = dataclasses.replace(_F.data.base_config(), limit=_F.limit.value,
-                                seed=_F.seed.value, **_F.data.overrides())
+      cfg = _F.with_pretrain_steps(dataclasses.replace(
+          _F.data.base_config(), limit=_F.limit.value, seed=_F.seed.value,
+          **_F.data.overrides()))
       if steps is not None:
         cfg = dataclasses.replace(cfg, sft_steps=steps)
       run_info.start_run(logdir, cfg, use_wandb=_F.wandb.value)

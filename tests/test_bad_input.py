@@ -122,7 +122,7 @@ def _cases(tmp_path, existing, hf=None):
                               f"{tmp_path} is a directory; expected a .jsonl or .jsonl.gz file "
                               f"(it holds bad.jsonl, empty.jsonl, good.jsonl"),
       "limit_zero": ("train_sft.py", [f"--preference_data={good}", "--limit=0", n],
-                     "limit (--limit) must be >= 1 pairs, got 0"),
+                     "limit (--limit, preference pairs to read) must be >= 1, got 0"),
       "missing_file": ("train_reward_model.py", [f"--preference_data={tmp_path}/nope.jsonl", n],
                        "does not exist"),
       "overlong_prompts_rejected": (
@@ -149,6 +149,15 @@ def _cases(tmp_path, existing, hf=None):
                                 "--num_steps must be >= 1, got -3"),
       "rlhf_num_steps_zero": ("train_rlhf.py", ["--num_steps=0", n],
                               "--num_steps must be >= 1, got 0"),
+      # --pretrain_steps: shared too; train_reward_model.py's own --sft_steps.
+      "sft_pretrain_steps_negative": ("train_sft.py", [f"--preference_data={good}",
+                                                       "--pretrain_steps=-1", n],
+                                      "--pretrain_steps must be >= 0, got -1"),
+      "rlhf_pretrain_steps_negative": ("train_rlhf.py", ["--pretrain_steps=-2", n],
+                                       "--pretrain_steps must be >= 0, got -2"),
+      "rm_sft_steps_zero": ("train_reward_model.py", [f"--preference_data={good}",
+                                                      "--sft_steps=0", n],
+                            "--sft_steps must be >= 1, got 0"),
       "lr_not_positive": ("train_sft.py", [f"--preference_data={good}", "--lr=0", n],
                           "--lr must be > 0, got 0.0"),
       "rm_lr_without_data": ("train_rlhf.py", ["--rm_lr=1e-5", e],
@@ -192,7 +201,9 @@ def _cases(tmp_path, existing, hf=None):
 CASES = ["unknown_algo", "logdir_not_writable", "malformed_json", "invalid_utf8",
          "missing_rejected", "empty_dataset", "data_is_a_directory", "limit_zero",
          "missing_file", "overlong_prompts_rejected", "tokenizer_exceeds_vocab", "config_mismatch", "config_mismatch_nested", "sft_steps_zero",
-         "sft_num_steps_zero", "rm_num_steps_negative", "rlhf_num_steps_zero", "lr_not_positive", "rm_lr_without_data",
+         "sft_num_steps_zero", "rm_num_steps_negative", "rlhf_num_steps_zero",
+         "sft_pretrain_steps_negative", "rlhf_pretrain_steps_negative", "rm_sft_steps_zero",
+         "lr_not_positive", "rm_lr_without_data",
          "critic_lr_without_critic",
          "existing_run_without_resume",
          "checkpoint_every", "model_unsupported_type", "model_tensor_shape_mismatch",
@@ -409,7 +420,8 @@ def test_help_lists_the_shared_flags(script):
   assert "Traceback" not in out.stderr, out.stderr[-2000:]  # (absl's --help exits 1)
   listed = {line.split(":")[0].strip() for line in out.stdout.splitlines()
             if line.startswith("  --")}
-  for name in ("--preference_data", "--logdir", "--num_steps", "--seed", "--mesh",
+  for name in ("--preference_data", "--logdir", "--num_steps", "--pretrain_steps", "--seed",
+               "--mesh",
                "--sharding_rules", "--model", "--tokenizer", "--max_prompt_len",
                "--coordinator_address", "--[no]wandb", "--[no]verbose"):
     assert name in listed, (script, name, sorted(listed))
@@ -437,3 +449,19 @@ def test_logdir_that_is_a_file_is_named_as_such(tmp_path):
     check_writable(str(tmp_path / "a_file" / "sub"))
   check_writable(str(tmp_path / "new" / "run"))
   assert (tmp_path / "new" / "run").is_dir()
+
+
+def test_stage_step_flags_reach_the_config(tmp_path):
+  """train_reward_model.py's --pretrain_steps (shared) and --sft_steps shorten its stages: the
+  run's config records them, and --pretrain_steps=0 skips pre-training (no 'pretrain:' line)."""
+  data = _write(tmp_path / "good.jsonl", GOOD)
+  logdir = tmp_path / "rm"
+  out = subprocess.run(
+      [sys.executable, _script("train_reward_model.py"), f"--preference_data={data}",
+       "--pretrain_steps=0", "--sft_steps=2", "--num_steps=3", f"--logdir={logdir}"],
+      capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  config = json.loads((logdir / "run_info.json").read_text())["config"]
+  assert (config["pretrain_steps"], config["sft_steps"], config["rm_steps"]) == (0, 2, 3)
+  assert "pretrain:" not in out.stdout + out.stderr
+  assert "reward model: held-out accuracy" in out.stdout

@@ -130,3 +130,9 @@ def test_history_summary_ignores_non_finite_steps():
   nan = pipeline.history_summary([{"reward/mean": float("nan")}], 5)
   assert np.isnan(nan["reward_first"]) and np.isnan(nan["kl_max"])
   assert nan["summary_steps"] == 1  # a 1-step run's summary says "first 1 step", not "10"
+  # Short runs compare disjoint windows: 4 steps with k = 10 -> the first 2 against the last 2.
+  short = pipeline.history_summary([{"reward/mean": r} for r in (0.0, 1.0, 2.0, 4.0)], 10)
+  assert short["summary_steps"] == 2
+  assert short["reward_first"] == pytest.approx(0.5) and short["reward_last"] == pytest.approx(3.0)
+  odd = pipeline.history_summary([{"reward/mean": r} for r in (0.0, 1.0, 2.0)], 10)
+  assert (odd["summary_steps"], odd["reward_first"], odd["reward_last"]) == (1, 0.0, 2.0)

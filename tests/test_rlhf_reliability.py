@@ -127,6 +127,20 @@ def _truncate_largest_file(directory):
 
 
 @pytest.mark.slow
+def test_finished_run_resumes_to_nothing_left_to_train(reference_run, cache, tmp_path):
+  """The same command on a finished run says so, trains nothing and changes no result."""
+  logdir = str(tmp_path / "run")
+  shutil.copytree(reference_run, logdir)
+  out = subprocess.run(_cmd(logdir, cache), capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  said = out.stdout + out.stderr
+  assert f"{logdir} has finished all {LAST_STEP} RL steps: nothing left to train" in said, said
+  assert "resuming" not in said
+  _assert_items_equal(_final_items(logdir), _final_items(reference_run))
+  assert _rl_records(logdir) == _rl_records(reference_run)
+
+
+@pytest.mark.slow
 def test_truncated_newest_checkpoint_falls_back_to_previous(reference_run, tmp_path):
   logdir = str(tmp_path / "run")
   shutil.copytree(reference_run, logdir)

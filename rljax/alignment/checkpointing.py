@@ -255,7 +255,10 @@ def train(trainer: rlhf.RLHFTrainer, logdir: str, *, checkpoint_every: int = 10,
       step, policy, train_item = restored
       trainer.state = state_from_items(trainer.state, policy, train_item)
       resumed_from = saved_step = step
-      log(f"resuming {logdir} after RL step {step}")
+      if step < num_steps:
+        log(f"resuming {logdir} after RL step {step}")
+      else:  # as the control trainer says it
+        log(f"{logdir} has finished all {step} RL steps: nothing left to train")
       if writer is not None:
         ckpt.truncate_jsonl(writer.jsonl_path, step, lambda r: _RL_KEY in r, in_place=True)
 

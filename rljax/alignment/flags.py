@@ -131,7 +131,7 @@ def define_mesh_flags(mesh_help: str = "Device mesh D,F,T (data, fsdp, tensor si
 @dataclasses.dataclass(frozen=True)
 class StageFlags:
   """The flags every alignment script shares (``train_sft.py``, ``train_reward_model.py``,
-  ``train_rlhf.py``): data, output folder, step count, pair limit, seed, ``--verbose``, devices,
+  ``train_rlhf.py``): data, output folder, step counts, pair limit, seed, ``--verbose``, devices,
   ``--wandb`` and `DataFlags`.
 
   ``--coordinator_address`` and the other process flags are defined too
@@ -141,6 +141,7 @@ class StageFlags:
   preference_data: Any
   logdir: Any
   num_steps: Any
+  pretrain_steps: Any
   limit: Any
   seed: Any
   verbose: Any
@@ -181,12 +182,27 @@ class StageFlags:
       raise ValueError(f"--num_steps must be >= 1, got {steps}")
     return steps
 
+  def with_pretrain_steps(self, config):
+    """``config`` (an ``EmbeddedConfig`` or ``PreferenceConfig``) with ``--pretrain_steps``
+    applied when given.
+
+    Raises:
+      ValueError: ``--pretrain_steps`` < 0.
+    """
+    steps = self.pretrain_steps.value
+    if steps is None:
+      return config
+    if steps < 0:
+      raise ValueError(f"--pretrain_steps must be >= 0, got {steps}")
+    return dataclasses.replace(config, pretrain_steps=steps)
+
 
 def define_stage_flags(*, logdir_prefix: str, data_help: str, steps_help: str,
                        reward_model: bool = True, mesh_help: str | None = None,
                        rules_help: str | None = None) -> StageFlags:
   """Defines ``--preference_data`` (help ``data_help``), ``--logdir`` (default
-  ``runs/<logdir_prefix>-<time>``), ``--num_steps`` (help ``steps_help``), ``--limit``,
+  ``runs/<logdir_prefix>-<time>``), ``--num_steps`` (help ``steps_help``), ``--pretrain_steps``,
+  ``--limit``,
   ``--seed``, ``--verbose``, the mesh flags (`define_mesh_flags`, with ``mesh_help`` and
   ``rules_help`` where given), the process flags, ``--wandb`` and the data flags
   (`define_data_flags`, ``--rm_lr`` only where ``reward_model``); call once, at a script's
@@ -197,6 +213,9 @@ def define_stage_flags(*, logdir_prefix: str, data_help: str, steps_help: str,
       logdir=flags.DEFINE_string(
           "logdir", None, f"Output directory (default runs/{logdir_prefix}-<time>)."),
       num_steps=flags.DEFINE_integer("num_steps", None, steps_help),
+      pretrain_steps=flags.DEFINE_integer(
+          "pretrain_steps", None, "Pre-training steps before SFT (default: the pipeline's; 0 "
+          "skips it; unused with --model, whose weights are pretrained)."),
       limit=flags.DEFINE_integer("limit", None, "Read at most this many preference pairs."),
       seed=flags.DEFINE_integer("seed", 0, "Seed."),
       verbose=flags.DEFINE_bool("verbose", False, "Print tracebacks for user errors."),

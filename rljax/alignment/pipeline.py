@@ -86,7 +86,8 @@ def history_summary(history: Sequence[Mapping[str, float]], k: int) -> dict[str,
   and ``kl_max`` over finite values only, so a step whose reward was not finite (its update
   skipped by the non-finite guard) does not turn them into NaN; an empty selection gives NaN.
   ``kl_last`` is the last step's ``kl`` as logged (NaN when it was not finite or not measured);
-  ``summary_steps``: the window actually used, ``min(k, len(history))``."""
+  ``summary_steps``: the window actually used, ``min(k, len(history) // 2)`` so that the first
+  and last windows do not overlap (1 for a 1-step run, whose two windows are its one step)."""
 
   def finite(values):
     a = np.asarray(list(values), np.float64)
@@ -96,6 +97,7 @@ def history_summary(history: Sequence[Mapping[str, float]], k: int) -> dict[str,
     a = finite(values)
     return float(a.mean()) if a.size else float("nan")
 
+  k = max(1, min(k, len(history) // 2))
   rewards = [h["reward/mean"] for h in history]
   kls = finite(h.get("kl", np.nan) for h in history)
   return dict(reward_first=mean(rewards[:k]), reward_last=mean(rewards[-k:]),
@@ -415,7 +417,8 @@ class PreferenceConfig:
     if self.pretrain_steps < 0:
       raise ValueError(f"pretrain_steps must be >= 0, got {self.pretrain_steps}.")
     if self.limit is not None and self.limit < 1:
-      raise ValueError(f"limit (--limit) must be >= 1 pairs, got {self.limit}.")
+      raise ValueError(f"limit (--limit, preference pairs to read) must be >= 1, got "
+                       f"{self.limit}.")
     for name in ("lr", "rm_lr"):
       if not getattr(self, name) > 0:  # also refuses NaN
         raise ValueError(f"{name} must be > 0, got {getattr(self, name)}.")
