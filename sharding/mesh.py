@@ -64,7 +64,8 @@ class MeshConfig:
     """``(data, fsdp, tensor)`` for ``num_devices`` devices, ``-1`` resolved.
 
     Raises:
-      MeshError: if the product of the sizes is not ``num_devices`` (message names both).
+      MeshError: if the product of the sizes is not ``num_devices`` (message names both; on
+        CPU, a mesh larger than the devices also names the XLA flag that makes host devices).
     """
     rest = self.fsdp * self.tensor
     if self.data == -1:
@@ -75,9 +76,14 @@ class MeshConfig:
       return (num_devices // rest, self.fsdp, self.tensor)
     size = self.data * rest
     if size != num_devices:
+      hint = ""
+      if size > num_devices and jax.default_backend() == "cpu":
+        hint = (f"; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={size} (set before "
+                f"Python starts) makes {size} host devices")
       raise MeshError(
           f"mesh data={self.data} x fsdp={self.fsdp} x tensor={self.tensor} = {size} devices, "
-          f"but {num_devices} {'device is' if num_devices == 1 else 'devices are'} available")
+          f"but {num_devices} {'device is' if num_devices == 1 else 'devices are'} available"
+          f"{hint}")
     return (self.data, self.fsdp, self.tensor)
 
 

@@ -29,7 +29,9 @@ def test_one_device_mesh_and_size_error():
   m = mesh_lib.make_mesh()
   assert dict(m.shape) == {"data": jax.device_count(), "fsdp": 1, "tensor": 1}
   assert all(t == jax.sharding.AxisType.Auto for t in m.axis_types)
-  with pytest.raises(mesh_lib.MeshError, match=r"= 8 devices, but 1 device is available"):
+  with pytest.raises(mesh_lib.MeshError, match=r"= 8 devices, but 1 device is available; "
+                     r"on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=8 \(set before "
+                     r"Python starts\) makes 8 host devices$"):
     mesh_lib.make_mesh(mesh_lib.parse_mesh_flag("2,2,2"))
   assert mesh_lib.check_batch_divisible(6, m) == 6
 
