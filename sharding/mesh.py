@@ -60,12 +60,14 @@ class MeshConfig:
       if v < 1 and not (name == "data" and v == -1):
         raise MeshError(f"mesh axis {name!r} must be >= 1 (or -1 for data), got {v}")
 
-  def shape(self, num_devices: int) -> tuple[int, int, int]:
+  def shape(self, num_devices: int, *, cpu_hint: bool = False) -> tuple[int, int, int]:
     """``(data, fsdp, tensor)`` for ``num_devices`` devices, ``-1`` resolved.
 
+    ``cpu_hint``: the devices are all of a CPU process's, so a mesh larger than them is told
+    the XLA flag that makes more host devices.
+
     Raises:
-      MeshError: if the product of the sizes is not ``num_devices`` (message names both; on
-        CPU, a mesh larger than the devices also names the XLA flag that makes host devices).
+      MeshError: if the product of the sizes is not ``num_devices`` (message names both).
     """
     rest = self.fsdp * self.tensor
     if self.data == -1:
@@ -77,7 +79,7 @@ class MeshConfig:
     size = self.data * rest
     if size != num_devices:
       hint = ""
-      if size > num_devices and jax.default_backend() == "cpu":
+      if size > num_devices and cpu_hint:
         hint = (f"; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={size} (set before "
                 f"Python starts) makes {size} host devices")
       raise MeshError(
@@ -125,9 +127,12 @@ def make_mesh(config: MeshConfig | None = None, *,
   """
   config = config or MeshConfig()
   devices = list(jax.devices() if devices is None else devices)
-  shape = config.shape(len(devices))
+  all_devices = devices == list(jax.devices())
+  # The XLA-flag hint fits only a mesh over every device of a CPU run (a disaggregated subset
+  # would need more devices than the mesh alone).
+  shape = config.shape(len(devices), cpu_hint=all_devices and devices[0].platform == "cpu")
   auto = (jax.sharding.AxisType.Auto,) * 3
-  if devices == list(jax.devices()):
+  if all_devices:
     return jax.make_mesh(shape, MESH_AXES, axis_types=auto)
   # A subset (disaggregated roles): lay the given devices out in the given order.
   return jax.sharding.Mesh(np.asarray(devices, dtype=object).reshape(shape), MESH_AXES,

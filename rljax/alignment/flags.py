@@ -202,9 +202,8 @@ def define_stage_flags(*, logdir_prefix: str, data_help: str, steps_help: str,
                        rules_help: str | None = None) -> StageFlags:
   """Defines ``--preference_data`` (help ``data_help``), ``--logdir`` (default
   ``runs/<logdir_prefix>-<time>``), ``--num_steps`` (help ``steps_help``), ``--pretrain_steps``,
-  ``--limit``,
-  ``--seed``, ``--verbose``, the mesh flags (`define_mesh_flags`, with ``mesh_help`` and
-  ``rules_help`` where given), the process flags, ``--wandb`` and the data flags
+  ``--limit``, ``--seed``, ``--verbose``, the mesh flags (`define_mesh_flags`, with ``mesh_help``
+  and ``rules_help`` where given), the process flags, ``--wandb`` and the data flags
   (`define_data_flags`, ``--rm_lr`` only where ``reward_model``); call once, at a script's
   module level."""
   mesh_kw = {k: v for k, v in (("mesh_help", mesh_help), ("rules_help", rules_help)) if v}
