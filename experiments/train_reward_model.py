@@ -26,9 +26,9 @@ _F = alignment_flags.define_stage_flags(
     logdir_prefix="rm", steps_help="Reward-model steps.",
     data_help="HH-RLHF or {prompt,chosen,rejected} JSONL(.gz). Required.")
 _MARGIN = flags.DEFINE_float("margin", None, "Bradley-Terry margin.")
-_SFT_STEPS = flags.DEFINE_integer(
-    "sft_steps", None, "SFT steps before the reward model, which starts from the SFT model "
-    "(default: the pipeline's).")
+_SFT_STEPS = alignment_flags.define_sft_steps_flag(
+    "SFT steps before the reward model, which starts from the SFT model (default: the "
+    "pipeline's).")
 
 
 def main(argv):
@@ -51,16 +51,11 @@ def main(argv):
     cfg = _F.with_pretrain_steps(dataclasses.replace(
         _F.data.base_config(), limit=_F.limit.value, seed=_F.seed.value,
         **_F.data.overrides()))
-    if steps is not None:
-      cfg = dataclasses.replace(cfg, rm_steps=steps)
-    if _SFT_STEPS.value is not None:
-      if _SFT_STEPS.value < 1:
-        raise ValueError(f"--sft_steps must be >= 1, got {_SFT_STEPS.value}")
-      cfg = dataclasses.replace(cfg, sft_steps=_SFT_STEPS.value)
-    if _MARGIN.value is not None:
-      if _MARGIN.value < 0:
-        raise ValueError(f"--margin must be >= 0, got {_MARGIN.value}")
-      cfg = dataclasses.replace(cfg, rm_margin=_MARGIN.value)
+    for field, value in (("rm_steps", steps),
+                         ("sft_steps", alignment_flags.checked(_SFT_STEPS, at_least=1)),
+                         ("rm_margin", alignment_flags.checked(_MARGIN, at_least=0))):
+      if value is not None:
+        cfg = dataclasses.replace(cfg, **{field: value})
     pipeline.check_stage_logdir(logdir, "train_reward_model.py")
     check_writable(logdir)
     run_info.start_run(logdir, cfg, use_wandb=_F.wandb.value)

@@ -87,8 +87,8 @@ _KEEP = flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept (the newes
 _CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", None,
                                  "Cache directory (default ~/.cache/rljax).")
 # Stage sizes (tests and quick runs use small ones).
-_SFT_STEPS = flags.DEFINE_integer(
-    "sft_steps", None, "SFT steps (embedded task and --preference_data runs).")
+_SFT_STEPS = alignment_flags.define_sft_steps_flag(
+    "SFT steps (embedded task: 0 skips SFT; --preference_data runs: >= 1).")
 _RM_STEPS = flags.DEFINE_integer("rm_steps", None, "--preference_data: reward-model steps.")
 _EVAL_PROMPTS = flags.DEFINE_integer(
     "num_eval_prompts", None, "Embedded: held-out problems for greedy accuracy (0 = none).")
@@ -123,19 +123,29 @@ def check_algo(name: str) -> str:
 
 
 def check_checkpoint_flags() -> None:
-  for name, flag in (("checkpoint_every", _CKPT_EVERY), ("keep_checkpoints", _KEEP)):
-    if flag.value < 1:
-      raise ValueError(f"--{name} must be >= 1, got {flag.value}")
+  for flag in (_CKPT_EVERY, _KEEP):
+    alignment_flags.checked(flag, at_least=1)
 
 
-def stage_overrides() -> dict:
-  """EmbeddedConfig fields set by flags."""
-  out = {}
-  for key, flag in (("sft_steps", _SFT_STEPS),
-                    ("num_eval_prompts", _EVAL_PROMPTS)):
-    if flag.value is not None:
-      out[key] = flag.value
-  return out
+def stage_overrides(preference_data: str | None) -> dict:
+  """Stage sizes set by flags: ``EmbeddedConfig`` fields (``--sft_steps`` >= 0, 0 skipping SFT;
+  ``--num_eval_prompts`` >= 0) or, with ``preference_data``, ``PreferenceConfig`` fields
+  (``--sft_steps`` and ``--rm_steps`` >= 1).
+
+  Raises:
+    ValueError: a value out of range, or a flag the selected pipeline has no use for.
+  """
+  if preference_data is None:
+    if _RM_STEPS.value is not None:
+      raise ValueError("--rm_steps applies to --preference_data runs only (the embedded "
+                       "addition task's reward is exact match, with no reward model)")
+    bounds = {"sft_steps": (_SFT_STEPS, 0), "num_eval_prompts": (_EVAL_PROMPTS, 0)}
+  else:
+    if _EVAL_PROMPTS.value is not None:
+      raise ValueError("--num_eval_prompts applies to the embedded addition task only")
+    bounds = {"sft_steps": (_SFT_STEPS, 1), "rm_steps": (_RM_STEPS, 1)}
+  out = {k: alignment_flags.checked(flag, at_least=low) for k, (flag, low) in bounds.items()}
+  return {k: v for k, v in out.items() if v is not None}
 
 
 def with_ppo_flags(rl):
@@ -168,14 +178,14 @@ def main(argv):
     logdir = _F.resolved_logdir(time.strftime("%Y%m%d-%H%M%S"), prefix=f"rlhf-{_ALGO.value}")
     overrides = rl_overrides()
     if _PPS.value is not None:
-      overrides["prompts_per_step"] = _PPS.value
+      overrides["prompts_per_step"] = alignment_flags.checked(_PPS, at_least=1)
     data = _F.preference_data.value
     _F.data.check_data(data)
     if data is None:
       rl = pipeline.default_rl_config(_ALGO.value, **overrides)
       rl = with_ppo_flags(rl)
       config = _F.with_pretrain_steps(
-          pipeline.EmbeddedConfig(rl=rl, seed=_F.seed.value, **stage_overrides()))
+          pipeline.EmbeddedConfig(rl=rl, seed=_F.seed.value, **stage_overrides(data)))
     else:
       if not os.path.exists(data):
         raise FileNotFoundError(f"--preference_data {data!r} does not exist")
@@ -184,12 +194,9 @@ def main(argv):
       overrides.setdefault("prompts_per_step", base.rl.prompts_per_step // group)
       rl = dataclasses.replace(base.rl, algo=_ALGO.value, group_size=group, **overrides)
       rl = with_ppo_flags(rl)
-      stages = {k: v for k, v in stage_overrides().items() if k != "num_eval_prompts"}
-      if _RM_STEPS.value is not None:
-        stages["rm_steps"] = _RM_STEPS.value
       config = _F.with_pretrain_steps(dataclasses.replace(
           base, rl=rl, limit=_F.limit.value, seed=_F.seed.value, **_F.data.overrides(),
-          **stages))
+          **stage_overrides(data)))
     pipeline.check_placement(placement, rl=config.rl,
                              batch_sizes={"batch_size": config.batch_size})  # before compiling
     check_writable(logdir)

@@ -155,6 +155,17 @@ def _cases(tmp_path, existing, hf=None):
                                       "--pretrain_steps must be >= 0, got -1"),
       "rlhf_pretrain_steps_negative": ("train_rlhf.py", ["--pretrain_steps=-2", n],
                                        "--pretrain_steps must be >= 0, got -2"),
+      # Stage flags the selected pipeline has no use for are refused, not ignored.
+      "rm_steps_without_data": ("train_rlhf.py", ["--rm_steps=5", n],
+                                "--rm_steps applies to --preference_data runs only"),
+      "eval_prompts_with_data": ("train_rlhf.py", [f"--preference_data={good}",
+                                                   "--num_eval_prompts=4", n],
+                                 "--num_eval_prompts applies to the embedded addition task only"),
+      "embedded_sft_steps_negative": ("train_rlhf.py", ["--sft_steps=-1", n],
+                                      "--sft_steps must be >= 0, got -1"),
+      "rm_margin_negative": ("train_reward_model.py", [f"--preference_data={good}",
+                                                       "--margin=-0.5", n],
+                             "--margin must be >= 0, got -0.5"),
       "rm_sft_steps_zero": ("train_reward_model.py", [f"--preference_data={good}",
                                                       "--sft_steps=0", n],
                             "--sft_steps must be >= 1, got 0"),
@@ -203,6 +214,8 @@ CASES = ["unknown_algo", "logdir_not_writable", "malformed_json", "invalid_utf8"
          "missing_file", "overlong_prompts_rejected", "tokenizer_exceeds_vocab", "config_mismatch", "config_mismatch_nested", "sft_steps_zero",
          "sft_num_steps_zero", "rm_num_steps_negative", "rlhf_num_steps_zero",
          "sft_pretrain_steps_negative", "rlhf_pretrain_steps_negative", "rm_sft_steps_zero",
+         "rm_steps_without_data", "eval_prompts_with_data", "embedded_sft_steps_negative",
+         "rm_margin_negative",
          "lr_not_positive", "rm_lr_without_data",
          "critic_lr_without_critic",
          "existing_run_without_resume",
@@ -465,3 +478,25 @@ def test_stage_step_flags_reach_the_config(tmp_path):
   assert (config["pretrain_steps"], config["sft_steps"], config["rm_steps"]) == (0, 2, 3)
   assert "pretrain:" not in out.stdout + out.stderr
   assert "reward model: held-out accuracy" in out.stdout
+
+
+def test_stage_flag_check_names_the_flag_and_its_bound():
+  """``rljax.alignment.flags.checked``, which every alignment script's stage flags go through:
+  None when not given, the value when in range, else one error naming the flag and bound."""
+  from absl import flags as absl_flags
+
+  from rljax.alignment import flags as alignment_flags
+
+  fv = absl_flags.FlagValues()
+  steps = absl_flags.DEFINE_integer("steps", None, "", flag_values=fv)
+  lr = absl_flags.DEFINE_float("lr", None, "", flag_values=fv)
+  fv(["prog"])
+  assert alignment_flags.checked(steps, at_least=1) is None
+  fv(["prog", "--steps=0", "--lr=nan"])
+  assert alignment_flags.checked(steps, at_least=0) == 0
+  with pytest.raises(ValueError, match=r"^--steps must be >= 1, got 0$"):
+    alignment_flags.checked(steps, at_least=1)
+  with pytest.raises(ValueError, match=r"^--lr must be > 0, got nan$"):
+    alignment_flags.checked(lr, above=0)
+  fv(["prog", "--lr=2e-5"])
+  assert alignment_flags.checked(lr, above=0) == 2e-5

@@ -104,6 +104,20 @@ def test_preference_sigkill_then_resume_is_bitwise_exact(setup, tmp_path):
       np.testing.assert_array_equal(a[k], b[k], err_msg=k)
   # Every RL step's metrics (rewards, KL, losses, ...) equal the uninterrupted run's too.
   assert _rl_records(logdir) == _rl_records(ref)
+  # summary.json, as the embedded pipeline writes it: the resumed run's whole-history summary
+  # equals the uninterrupted run's, and it names the step it resumed after.
+  summaries = []
+  for d in (logdir, ref):
+    with open(os.path.join(d, "summary.json"), encoding="utf-8") as f:
+      summaries.append(json.load(f))
+  assert summaries[0]["resumed_from"] == saved[-1] and summaries[1]["resumed_from"] is None
+  assert summaries[0]["hf_model"] == os.path.join(logdir, "hf_model")
+  for k in ("reward_first", "reward_last", "kl_max", "kl_last", "summary_steps", "rm_accuracy",
+            "num_pairs"):
+    assert summaries[0][k] == summaries[1][k], k
+  assert summaries[0]["summary_steps"] == LAST_STEP // 2
+  # The console's per-step line is the embedded pipeline's (first and last step shown).
+  assert f"rl step {LAST_STEP:4d}: reward " in out.stdout and "ppo step" not in out.stdout
   # Both export the trained actor in Hugging Face format, identically, and transformers loads
   # it with the tokenizer.
   import safetensors.numpy

@@ -21,6 +21,34 @@ from rljax.sharding import distributed
 flags.disclaim_key_flags()
 
 
+def checked(holder: flags.FlagHolder, *, at_least: float | None = None,
+            above: float | None = None) -> Any:
+  """The value of flag ``holder`` (None when it was not given), checked against its bound.
+
+  ``at_least``: the smallest allowed value (``--num_steps``: 1, ``--pretrain_steps``: 0);
+  ``above``: an exclusive lower bound (``--lr``: 0; also refuses NaN). Every stage flag of
+  the alignment scripts is checked here, so their errors read alike.
+
+  Raises:
+    ValueError: "--NAME must be >= N, got V" (or "> N"), naming the flag and its value.
+  """
+  value = holder.value
+  if value is None:
+    return None
+  if at_least is not None and not value >= at_least:
+    raise ValueError(f"--{holder.name} must be >= {at_least}, got {value}")
+  if above is not None and not value > above:
+    raise ValueError(f"--{holder.name} must be > {above}, got {value}")
+  return value
+
+
+def define_sft_steps_flag(help_text: str) -> flags.FlagHolder:
+  """``--sft_steps`` (default None: the pipeline's), for the scripts that run SFT before their
+  own stage (``train_reward_model.py``, ``train_rlhf.py``); ``train_sft.py`` takes
+  ``--num_steps``."""
+  return flags.DEFINE_integer("sft_steps", None, help_text)
+
+
 @dataclasses.dataclass(frozen=True)
 class DataFlags:
   """The preference-data flags: prompt budget, tokenizer, pretrained model."""
@@ -52,10 +80,10 @@ class DataFlags:
                            f"vocabulary come from the model folder {self.model.value!r}")
     out = {"overlong_prompts": self.overlong_prompts.value}
     for key in ("max_prompt_len", "tokenizer", "vocab_size", "model", "lr", "rm_lr"):
-      value = self._given(key)
+      holder = getattr(self, key)
+      value = None if holder is None else (
+          checked(holder, above=0) if key in ("lr", "rm_lr") else holder.value)
       if value is not None:
-        if key in ("lr", "rm_lr") and not value > 0:
-          raise ValueError(f"--{key} must be > 0, got {value}")
         out[key] = value
     return out
 
@@ -177,10 +205,7 @@ class StageFlags:
     Raises:
       ValueError: ``--num_steps`` < 1.
     """
-    steps = self.num_steps.value
-    if steps is not None and steps < 1:
-      raise ValueError(f"--num_steps must be >= 1, got {steps}")
-    return steps
+    return checked(self.num_steps, at_least=1)
 
   def with_pretrain_steps(self, config):
     """``config`` (an ``EmbeddedConfig`` or ``PreferenceConfig``) with ``--pretrain_steps``
@@ -189,12 +214,8 @@ class StageFlags:
     Raises:
       ValueError: ``--pretrain_steps`` < 0.
     """
-    steps = self.pretrain_steps.value
-    if steps is None:
-      return config
-    if steps < 0:
-      raise ValueError(f"--pretrain_steps must be >= 0, got {steps}")
-    return dataclasses.replace(config, pretrain_steps=steps)
+    steps = checked(self.pretrain_steps, at_least=0)
+    return config if steps is None else dataclasses.replace(config, pretrain_steps=steps)
 
 
 def define_stage_flags(*, logdir_prefix: str, data_help: str, steps_help: str,

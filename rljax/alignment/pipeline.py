@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import time
@@ -104,6 +103,29 @@ def history_summary(history: Sequence[Mapping[str, float]], k: int) -> dict[str,
               kl_max=float(kls.max()) if kls.size else float("nan"),
               kl_last=float(history[-1].get("kl", np.nan)) if history else float("nan"),
               summary_steps=min(k, len(history)))
+
+
+def rl_step_line(record: Mapping[str, float]) -> str:
+  """The console line of one RL step, the same for every pipeline and algorithm, e.g.
+  ``rl step   20: reward 0.512  kl 0.031  entropy 1.204  len 3.10  step 0.412s`` (``kl`` is NaN
+  when not measured; ``entropy`` is left out of records without it)."""
+  entropy = f"  entropy {record['entropy']:.3f}" if "entropy" in record else ""
+  return (f"rl step {int(record['step']):4d}: reward {record['reward/mean']:.3f}  "
+          f"kl {record.get('kl', float('nan')):.3f}{entropy}  "
+          f"len {record['response_length/mean']:.2f}  step {record['timing/step']:.3f}s")
+
+
+def _shows_step(step: int, every: int, num_steps: int) -> bool:
+  """Whether the console shows RL step ``step``: the first, every ``every``-th and the last."""
+  return step == 1 or step % every == 0 or step == num_steps
+
+
+def write_summary(logdir: str | None, summary: Mapping[str, Any]) -> None:
+  """Writes ``summary`` without its ``history`` to ``<logdir>/summary.json`` (process 0 only,
+  atomically: a crash leaves the previous file or none). Nothing without a ``logdir``."""
+  if logdir is not None and runtime.is_primary():
+    ckpt.write_json_atomic(os.path.join(logdir, "summary.json"),
+                           {k: v for k, v in summary.items() if k != "history"})
 
 
 def default_rl_config(algo: str, **overrides) -> rlhf.RLHFConfig:
@@ -297,11 +319,8 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
                              placement=placement)
 
   def show(rec):
-    st = int(rec["step"])
-    if st == 1 or st % 20 == 0 or st == config.rl.num_steps:
-      log(f"rl step {st:4d}: reward {rec['reward/mean']:.3f}  kl {rec.get('kl', float('nan')):.3f}  "
-          f"entropy {rec['entropy']:.3f}  len {rec['response_length/mean']:.2f}  "
-          f"step {rec['timing/step']:.3f}s")
+    if _shows_step(int(rec["step"]), 20, config.rl.num_steps):
+      log(rl_step_line(rec))
 
   resumed_from = None
   if use_ckpt:
@@ -325,9 +344,7 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
       accuracy_before=acc_before, accuracy_after=acc_after, **history_summary(history, 10),
       wall_s=time.perf_counter() - t0, pretrain_s=t_pre - t0, sft_s=t_sft - t_pre,
       rl_s=t_rl - t_sft, history=history, resumed_from=resumed_from)
-  if logdir is not None and runtime.is_primary():
-    with open(os.path.join(logdir, "summary.json"), "w") as f:
-      json.dump({k: v for k, v in summary.items() if k != "history"}, f, indent=2)
+  write_summary(logdir, summary)
   return summary
 
 
@@ -753,10 +770,8 @@ def _preference_rl(config: PreferenceConfig, tok, prompts, model, rm_model, meta
                              reward_model=rm_model, placement=placement)
 
   def show(rec):
-    st = int(rec["step"])
-    if st == 1 or st % 10 == 0 or st == config.rl.num_steps:
-      log(f"ppo step {st:4d}: reward {rec['reward/mean']:.3f}  kl {rec.get('kl', float('nan')):.3f}  "
-          f"len {rec['response_length/mean']:.1f}  step {rec['timing/step']:.2f}s")
+    if _shows_step(int(rec["step"]), 10, config.rl.num_steps):
+      log(rl_step_line(rec))
 
   resumed_from = None
   if use_ckpt:
@@ -771,12 +786,14 @@ def _preference_rl(config: PreferenceConfig, tok, prompts, model, rm_model, meta
     writer.close()
   hf_model = None if logdir is None else export_hf_model(
       trainer.actor_model(), logdir, tokenizer_dir=tokenizer_dir, log=log)
-  return dict(
+  summary = dict(
       hf_model=hf_model, num_pairs=num_pairs, rm_accuracy=meta["rm/eval_accuracy"],
       rm_ci=(meta["rm/eval_accuracy_ci_low"], meta["rm/eval_accuracy_ci_high"]),
       rm_heldout=meta["rm_heldout"], **history_summary(history, 5),
       wall_s=time.perf_counter() - t0, sft_s=meta["sft_s"], rm_s=meta["rm_s"],
       rl_s=time.perf_counter() - t_rm, history=history, resumed_from=resumed_from)
+  write_summary(logdir, summary)
+  return summary
 
 
 # ---- device placement from the scripts' --mesh / --sharding_rules / --placement flags ----------
