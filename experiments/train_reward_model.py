@@ -11,7 +11,6 @@ rljax.alignment.pipeline. User errors exit 2.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 
@@ -48,14 +47,10 @@ def main(argv):
       raise FileNotFoundError(f"--preference_data {data!r} does not exist")
     logdir = _F.resolved_logdir(time.strftime("%Y%m%d-%H%M%S"))
     steps = _F.checked_num_steps()
-    cfg = _F.with_pretrain_steps(dataclasses.replace(
-        _F.data.base_config(), limit=_F.limit.value, seed=_F.seed.value,
-        **_F.data.overrides()))
-    for field, value in (("rm_steps", steps),
-                         ("sft_steps", alignment_flags.checked(_SFT_STEPS, at_least=1)),
-                         ("rm_margin", alignment_flags.checked(_MARGIN, at_least=0))):
-      if value is not None:
-        cfg = dataclasses.replace(cfg, **{field: value})
+    stages = {"rm_steps": steps,
+              "sft_steps": alignment_flags.checked(_SFT_STEPS, at_least=1),
+              "rm_margin": alignment_flags.checked(_MARGIN, at_least=0)}
+    cfg = _F.preference_config(**{k: v for k, v in stages.items() if v is not None})
     pipeline.check_stage_logdir(logdir, "train_reward_model.py")
     check_writable(logdir)
     run_info.start_run(logdir, cfg, use_wandb=_F.wandb.value)

@@ -194,9 +194,7 @@ def main(argv):
       overrides.setdefault("prompts_per_step", base.rl.prompts_per_step // group)
       rl = dataclasses.replace(base.rl, algo=_ALGO.value, group_size=group, **overrides)
       rl = with_ppo_flags(rl)
-      config = _F.with_pretrain_steps(dataclasses.replace(
-          base, rl=rl, limit=_F.limit.value, seed=_F.seed.value, **_F.data.overrides(),
-          **stage_overrides(data)))
+      config = _F.preference_config(rl=rl, **stage_overrides(data))
     pipeline.check_placement(placement, rl=config.rl,
                              batch_sizes={"batch_size": config.batch_size})  # before compiling
     check_writable(logdir)

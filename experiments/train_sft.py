@@ -52,11 +52,7 @@ def main(argv):
           f"embedded SFT: greedy exact-match accuracy {s['accuracy_before']:.3f}; "
           f"wall {s['wall_s']:.0f} s; logdir {logdir}")
     else:
-      cfg = _F.with_pretrain_steps(dataclasses.replace(
-          _F.data.base_config(), limit=_F.limit.value, seed=_F.seed.value,
-          **_F.data.overrides()))
-      if steps is not None:
-        cfg = dataclasses.replace(cfg, sft_steps=steps)
+      cfg = _F.preference_config(**({} if steps is None else {"sft_steps": steps}))
       run_info.start_run(logdir, cfg, use_wandb=_F.wandb.value)
       s = pipeline.run_preference(data, cfg, logdir=logdir, stop_after="sft",
                                   placement=placement, log=runtime.primary_print)

@@ -217,6 +217,20 @@ class StageFlags:
     steps = checked(self.pretrain_steps, at_least=0)
     return config if steps is None else dataclasses.replace(config, pretrain_steps=steps)
 
+  def preference_config(self, **changes):
+    """The ``--preference_data`` run's ``rljax.alignment.pipeline.PreferenceConfig``: the
+    defaults for ``--model`` (`DataFlags.base_config`) with ``--limit``, ``--seed``, the data
+    flags (`DataFlags.overrides`), ``changes`` (a script's own fields, e.g. ``sft_steps``) and
+    ``--pretrain_steps`` applied.
+
+    Raises:
+      ValueError: a flag out of range (`checked`), a bad flag combination, or a field the
+        config refuses.
+    """
+    return self.with_pretrain_steps(dataclasses.replace(
+        self.data.base_config(), limit=self.limit.value, seed=self.seed.value,
+        **self.data.overrides(), **changes))
+
 
 def define_stage_flags(*, logdir_prefix: str, data_help: str, steps_help: str,
                        reward_model: bool = True, mesh_help: str | None = None,
