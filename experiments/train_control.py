@@ -271,7 +271,8 @@ def main(argv):
       if _ALGO.value == "apg":
         from rljax.control import apg
 
-        result = apg.train_apg(config, logdir, progress=_PROGRESS.value)
+        result = apg.train_apg(config, logdir, progress=_PROGRESS.value, resume=_RESUME.value,
+                               log=runtime.primary_print)
       else:
         result = trainer.train(
             config, logdir, progress=_PROGRESS.value, resume=_RESUME.value, mesh=mesh,

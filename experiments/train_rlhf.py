@@ -7,7 +7,8 @@ r"""RLHF: SFT -> (reward model) -> RL with PPO, GRPO, RLOO or REINFORCE++.
 
 With no flags: a tiny Llama-style LM is pre-trained briefly on code-generated additions
 ("a+b=c"), fine-tuned on "a+b=" -> "c", then trained with RL against a programmatic reward
-(1 for the exact sum, partial credit for digits in place). It prints reward and KL over the RL
+(1 for the exact sum, partial credit for digits in place, minus 0.5 for a response without
+EOS, so short runs can show negative means). It prints reward and KL over the RL
 steps and greedy exact-match accuracy on held-out problems before and after RL.
 
 With --preference_data: a BPE tokenizer trained on the data, pre-training on the dialogues,

@@ -307,11 +307,21 @@ def _to_host(x: jax.Array) -> np.ndarray:
   return np.asarray(jax.device_get(x))
 
 
+def _save_safetensors(tensors: dict[str, np.ndarray], file: str, metadata: dict[str, str]) -> None:
+  """``safetensors.numpy.save_file``, then the mode a plain ``open`` gives (``0o666`` less the
+  umask): safetensors creates its files ``0o600``, which a server running as another user
+  (e.g. vLLM) could not read beside the ``0o644`` config and tokenizer files."""
+  safetensors.numpy.save_file(tensors, file, metadata=metadata)
+  umask = os.umask(0o022)
+  os.umask(umask)
+  os.chmod(file, 0o666 & ~umask)
+
+
 def _write_shards(tensors: dict[str, np.ndarray], path: str, max_shard_bytes: int) -> None:
   total = sum(a.nbytes for a in tensors.values())
   meta = {"format": "pt"}
   if total <= max_shard_bytes:
-    safetensors.numpy.save_file(tensors, os.path.join(path, SINGLE_FILE), metadata=meta)
+    _save_safetensors(tensors, os.path.join(path, SINGLE_FILE), meta)
     return
   shards: list[dict[str, np.ndarray]] = [{}]
   size = 0
@@ -325,7 +335,7 @@ def _write_shards(tensors: dict[str, np.ndarray], path: str, max_shard_bytes: in
   n = len(shards)
   for i, shard in enumerate(shards):
     fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-    safetensors.numpy.save_file(shard, os.path.join(path, fname), metadata=meta)
+    _save_safetensors(shard, os.path.join(path, fname), meta)
     weight_map.update({name: fname for name in shard})
   with open(os.path.join(path, INDEX_FILE), "w") as f:
     json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
@@ -378,7 +388,7 @@ def save_hf_checkpoint(
     json.dump(config.to_hf_config(torch_dtype=dtype), f, indent=2)
   _write_shards(tensors, path, max_shard_size)
   if heads is not None:
-    safetensors.numpy.save_file(heads, os.path.join(path, HEADS_FILE), metadata={"format": "pt"})
+    _save_safetensors(heads, os.path.join(path, HEADS_FILE), {"format": "pt"})
   gen_path = os.path.join(path, GENERATION_CONFIG_FILE)
   if config.eos_token_id and not os.path.exists(gen_path):
     eos = list(config.eos_token_id)

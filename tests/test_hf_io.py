@@ -60,6 +60,9 @@ def test_round_trip_loads_in_transformers(tmp_path, kind, kw):
                              atol=1e-4)
   gen = json.loads((tmp_path / "out" / "generation_config.json").read_text())
   assert gen["eos_token_id"] == [3, 4]
+  # Weights are readable as the config is (safetensors alone creates its files 0o600).
+  modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "out").iterdir()}
+  assert modes["model.safetensors"] == modes["config.json"], modes
 
 
 def test_sharded_checkpoints_both_ways(tmp_path):

@@ -605,6 +605,7 @@ class APGResult(NamedTuple):
       ``timing/wall_s``, training means...
     wall_s: seconds for the whole run.
     compile_s: estimated compilation seconds included in ``wall_s``.
+    resumed_from: the chunk a resumed run restarted after; None for a fresh run.
   """
 
   state: APGState
@@ -612,10 +613,12 @@ class APGResult(NamedTuple):
   history: list[dict[str, float]]
   wall_s: float
   compile_s: float
+  resumed_from: int | None = None  # the chunk a resumed run restarted after, else None
 
 
 def train_apg(config: APGConfig, logdir: str | None = None, *, progress: bool = True,
-              checkpoints: bool = True) -> APGResult:
+              checkpoints: bool = True, resume: bool = True,
+              log: Callable[[str], None] = print) -> APGResult:
   """Trains ``config`` with APG; evaluation, logging and checkpoints in the host loop.
 
   Writes to ``logdir`` (if given): ``metrics.jsonl`` (``step``, ``env_steps``,
@@ -624,41 +627,63 @@ def train_apg(config: APGConfig, logdir: str | None = None, *, progress: bool = 
   layout (``config.json`` with ``"algo": "apg"``), so ``trainer.load_policy``,
   ``export.export_from_logdir`` and ``render.render_policy`` work on APG runs.
 
+  Restarts as the PPO trainer's `rljax.control.trainer.train` does: every evaluation writes
+  a checkpoint of the full state (policy, optimizer, normaliser, key, update count and the
+  environment state); with ``resume`` (default) the run continues from the newest readable
+  one and ends bitwise equal to an uninterrupted run. On SIGTERM the current chunk finishes,
+  is checkpointed, and `rljax.control.trainer.Preempted` is raised.
+
   Returns:
     `APGResult`.
 
   Raises:
     rljax.envs.UnknownEnvError: unknown environment, before anything compiles.
-    ValueError: ``logdir`` already holds checkpoints (APG runs do not resume).
+    ValueError: ``logdir`` holds checkpoints of another config, or holds checkpoints and
+      ``resume`` is False.
+    rljax.control.trainer.Preempted: SIGTERM was received; the state is checkpointed.
   """
   t_start = time.perf_counter()
-  newest = ckpt.newest_step(logdir) if logdir is not None and checkpoints else None
+  use_ckpt = logdir is not None and checkpoints
+  newest = ckpt.newest_step(logdir) if use_ckpt else None
   if newest is not None:
-    raise ValueError(
-        f"{logdir!r} already holds checkpoints (step {newest}); APG runs "
-        f"do not resume: use a new --logdir."
-    )
+    if not resume:
+      raise ValueError(f"{logdir!r} already holds checkpoints (step {newest}); resume it "
+                       f"(--resume) or use a new --logdir.")
+    ckpt.check_same_config(logdir, "apg", json.loads(config.to_json()),
+                           ckpt.dataclass_defaults(APGConfig))
   trainer, params = make_apg_trainer(config)
-  writer = manager = None
-  if logdir is not None:
+  state, env_state = trainer.init(params)
+  history: list[dict[str, float]] = []
+  env_steps, start_chunk, resumed_from, manager = 0, 0, None, None
+  if use_ckpt:
+    ckpt.write_json_atomic(
+        os.path.join(ckpt.checkpoint_dir(logdir), ckpt.CONFIG_FILE),
+        {"algo": "apg", "apg": json.loads(config.to_json()),
+         "network": dataclasses.asdict(trainer.networks.config),
+         "train_solver": trainer.train_solver},
+    )
+    manager = ckpt.make_manager(logdir, max_to_keep=config.keep_checkpoints)
+    restored = (ckpt.restore(manager, *_items(state, env_state, 0), log=log)
+                if newest is not None else None)
+    if restored is not None:
+      start_chunk, policy_item, train_item = restored
+      state, env_state = _from_items(state, env_state, policy_item, train_item)
+      env_steps, resumed_from = int(train_item["env_steps"]), start_chunk
+      if start_chunk < trainer.num_chunks:
+        log(f"resuming {logdir} after chunk {start_chunk} ({env_steps:,} env steps)")
+      else:
+        log(f"{logdir} has finished all {start_chunk} chunks ({env_steps:,} env steps): "
+            f"nothing left to train")
+      ckpt.truncate_jsonl(os.path.join(logdir, "metrics.jsonl"), start_chunk)
+      history = ppo_trainer._logged_history(logdir, start_chunk)
+  writer = None
+  if logdir is not None and start_chunk < trainer.num_chunks:
     writer = metrics_lib.MetricsWriter(
         logdir, total=trainer.num_chunks * trainer.env_steps_per_chunk if progress else None,
         console_keys=("eval/episode_reward", "sps"))
-    if checkpoints:
-      ckpt.write_json_atomic(
-          os.path.join(ckpt.checkpoint_dir(logdir), ckpt.CONFIG_FILE),
-          {"algo": "apg", "apg": json.loads(config.to_json()),
-           "network": dataclasses.asdict(trainer.networks.config),
-           "train_solver": trainer.train_solver},
-      )
-      manager = ckpt.make_manager(logdir, max_to_keep=config.keep_checkpoints)
-
-  state, env_state = trainer.init(params)
   eval_key = jax.random.PRNGKey(config.seed + 10_000)
-  history: list[dict[str, float]] = []
-  env_steps = 0
 
-  def log(step: int, record: dict[str, Any]):
+  def record_eval(step: int, record: dict[str, Any]):
     record = {k: float(v) for k, v in record.items()}
     record["env_steps"] = env_steps
     record["timing/wall_s"] = time.perf_counter() - t_start
@@ -666,35 +691,41 @@ def train_apg(config: APGConfig, logdir: str | None = None, *, progress: bool = 
     if writer is not None:
       writer.write(step, record, progress=env_steps)
 
-  t0 = time.perf_counter()
   evaluate = lambda s, i: jax.device_get(
       trainer.evaluate(s.params, s.obs_stats, jax.random.fold_in(eval_key, i)))
-  ev = evaluate(state, 0)
-  compile_s = time.perf_counter() - t0
-  log(0, dict(ev, **{"timing/eval_s": compile_s, "sps": 0.0}))
-  first_train_s = None
-  for chunk in range(1, trainer.num_chunks + 1):
+  compile_s = 0.0
+  if start_chunk == 0:
     t0 = time.perf_counter()
-    state, env_state, train_metrics = trainer.train_chunk(state, env_state)
-    train_metrics = jax.device_get(train_metrics)
-    train_s = time.perf_counter() - t0
-    if first_train_s is None:
-      first_train_s = train_s
-    elif chunk == 2:
-      compile_s += max(first_train_s - train_s, 0.0)
-    env_steps += trainer.env_steps_per_chunk
-    t1 = time.perf_counter()
-    ev = evaluate(state, chunk)
-    record = dict(train_metrics)
-    record.update(ev)
-    record.update({"sps": trainer.env_steps_per_chunk / train_s, "timing/train_s": train_s,
-                   "timing/eval_s": time.perf_counter() - t1})
-    log(chunk, record)
-    if manager is not None:
-      ckpt.save(manager, chunk,
-                {"params": nnx.to_pure_dict(state.params), "obs_stats": state.obs_stats._asdict()},
-                {"opt_state": state.opt_state, "key": state.key, "update": state.update,
-                 "env_steps": np.int64(env_steps)})
+    ev = evaluate(state, 0)
+    compile_s = time.perf_counter() - t0
+    record_eval(0, dict(ev, **{"timing/eval_s": compile_s, "sps": 0.0}))
+  first_train_s = None
+  with ckpt.SigtermFlag() as sigterm:
+    for chunk in range(start_chunk + 1, trainer.num_chunks + 1):
+      t0 = time.perf_counter()
+      state, env_state, train_metrics = trainer.train_chunk(state, env_state)
+      train_metrics = jax.device_get(train_metrics)
+      train_s = time.perf_counter() - t0
+      if first_train_s is None:
+        first_train_s = train_s
+      elif chunk == start_chunk + 2:
+        compile_s += max(first_train_s - train_s, 0.0)
+      env_steps += trainer.env_steps_per_chunk
+      t1 = time.perf_counter()
+      ev = evaluate(state, chunk)
+      record = dict(train_metrics)
+      record.update(ev)
+      record.update({"sps": trainer.env_steps_per_chunk / train_s, "timing/train_s": train_s,
+                     "timing/eval_s": time.perf_counter() - t1})
+      record_eval(chunk, record)
+      if manager is not None:
+        ckpt.save(manager, chunk, *_items(state, env_state, env_steps))
+      if sigterm.received and chunk < trainer.num_chunks:
+        if writer is not None:
+          writer.close()
+        if manager is not None:
+          manager.close()
+        raise ppo_trainer.Preempted(chunk, str(logdir))
 
   wall_s = time.perf_counter() - t_start
   if writer is not None:
@@ -703,7 +734,27 @@ def train_apg(config: APGConfig, logdir: str | None = None, *, progress: bool = 
                                     title=f"{config.env} (APG, rljax)")
   if manager is not None:
     manager.close()
-  return APGResult(state, trainer.networks, history, wall_s, compile_s)
+  return APGResult(state, trainer.networks, history, wall_s, compile_s, resumed_from)
+
+
+def _items(state: APGState, env_state, env_steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
+  """The checkpoint's ``policy`` item (what `load_policy` reads, as the PPO trainer saves it)
+  and ``train_state`` item (the rest of the state, the environments' included)."""
+  return ({"params": nnx.to_pure_dict(state.params), "obs_stats": state.obs_stats._asdict()},
+          {"opt_state": state.opt_state, "key": state.key, "update": state.update,
+           "env_steps": np.asarray(env_steps, np.int64),
+           "env_state": ckpt.to_saveable(env_state)})
+
+
+def _from_items(state: APGState, env_state, policy: dict, train_item: dict
+                ) -> tuple[APGState, Any]:
+  """The state a checkpoint's items hold, in the structure of ``(state, env_state)``."""
+  params = state.params
+  nnx.replace_by_pure_dict(params, policy["params"])
+  return (APGState(params=params, opt_state=train_item["opt_state"],
+                   obs_stats=running_stats.RunningStats(**policy["obs_stats"]),
+                   key=train_item["key"], update=train_item["update"]),
+          ckpt.from_saveable(env_state, train_item["env_state"]))
 
 
 def _has_mjx_model(env) -> bool:
