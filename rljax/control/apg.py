@@ -669,13 +669,8 @@ def train_apg(config: APGConfig, logdir: str | None = None, *, progress: bool = 
       start_chunk, policy_item, train_item = restored
       state, env_state = _from_items(state, env_state, policy_item, train_item)
       env_steps, resumed_from = int(train_item["env_steps"]), start_chunk
-      if start_chunk < trainer.num_chunks:
-        log(f"resuming {logdir} after chunk {start_chunk} ({env_steps:,} env steps)")
-      else:
-        log(f"{logdir} has finished all {start_chunk} chunks ({env_steps:,} env steps): "
-            f"nothing left to train")
-      ckpt.truncate_jsonl(os.path.join(logdir, "metrics.jsonl"), start_chunk)
-      history = ppo_trainer._logged_history(logdir, start_chunk)
+    history = ppo_trainer.resume_history(logdir, resumed_from, num_chunks=trainer.num_chunks,
+                                         env_steps=env_steps, log=log)
   writer = None
   if logdir is not None and start_chunk < trainer.num_chunks:
     writer = metrics_lib.MetricsWriter(

@@ -929,6 +929,29 @@ def _truncate_jsonl(path: str, last_step: int) -> None:
   ckpt.truncate_jsonl(path, last_step)
 
 
+def resume_history(logdir: str, chunk: int | None, *, num_chunks: int, env_steps: int,
+                   log: Callable[[str], None]) -> list[dict[str, float]]:
+  """The records a run starting in ``logdir`` keeps (PPO's `train` and APG's ``train_apg``).
+
+  After restoring chunk ``chunk`` it says so through ``log`` (resuming, or nothing left to
+  train), drops the records logged after that chunk from ``metrics.jsonl`` (they are redone)
+  and returns the ones before, as `train` returns them. With ``chunk=None`` (nothing restored)
+  it drops every record, an earlier start's that saved no checkpoint, and returns [].
+  """
+  path = os.path.join(logdir, "metrics.jsonl")
+  if chunk is None:
+    if os.path.exists(path):
+      _truncate_jsonl(path, -1)
+    return []
+  if chunk < num_chunks:
+    log(f"resuming {logdir} after chunk {chunk} ({env_steps:,} env steps)")
+  else:
+    log(f"{logdir} has finished all {chunk} chunks ({env_steps:,} env steps): "
+        f"nothing left to train")
+  _truncate_jsonl(path, chunk)
+  return _logged_history(logdir, chunk)
+
+
 def _logged_history(logdir: str, last_step: int) -> list[dict[str, float]]:
   """``metrics.jsonl``'s records up to ``last_step``, as `train` returns them (floats;
   ``"nan"``/``"inf"`` strings back to floats); [] without the file."""
@@ -1042,16 +1065,8 @@ def train(
       ts, env_state = trainer.place(ts, env_state)
       env_steps = int(train_item["env_steps"])
       resumed_from = start_chunk
-      if start_chunk < trainer.num_chunks:
-        log(f"resuming {logdir} after chunk {start_chunk} ({env_steps:,} env steps)")
-      else:
-        log(f"{logdir} has finished all {start_chunk} chunks ({env_steps:,} env steps): "
-            f"nothing left to train")
-      _truncate_jsonl(os.path.join(logdir, "metrics.jsonl"), start_chunk)
-      history = _logged_history(logdir, start_chunk)
-    elif os.path.exists(os.path.join(logdir, "metrics.jsonl")):
-      # An earlier start that saved no checkpoint: its records are redone from chunk 0.
-      _truncate_jsonl(os.path.join(logdir, "metrics.jsonl"), -1)
+    history = resume_history(logdir, resumed_from, num_chunks=trainer.num_chunks,
+                             env_steps=env_steps, log=log)
 
   writer = None
   if logdir is not None and start_chunk < trainer.num_chunks:
