@@ -47,10 +47,9 @@ def main(argv):
       raise FileNotFoundError(f"--preference_data {data!r} does not exist")
     logdir = _F.resolved_logdir(time.strftime("%Y%m%d-%H%M%S"))
     steps = _F.checked_num_steps()
-    stages = {"rm_steps": steps,
-              "sft_steps": alignment_flags.checked(_SFT_STEPS, at_least=1),
-              "rm_margin": alignment_flags.checked(_MARGIN, at_least=0)}
-    cfg = _F.preference_config(**{k: v for k, v in stages.items() if v is not None})
+    cfg = _F.preference_config(rm_steps=steps,
+                               sft_steps=alignment_flags.checked(_SFT_STEPS, at_least=1),
+                               rm_margin=alignment_flags.checked(_MARGIN, at_least=0))
     pipeline.check_stage_logdir(logdir, "train_reward_model.py")
     check_writable(logdir)
     run_info.start_run(logdir, cfg, use_wandb=_F.wandb.value)

@@ -52,7 +52,7 @@ def main(argv):
           f"embedded SFT: greedy exact-match accuracy {s['accuracy_before']:.3f}; "
           f"wall {s['wall_s']:.0f} s; logdir {logdir}")
     else:
-      cfg = _F.preference_config(**({} if steps is None else {"sft_steps": steps}))
+      cfg = _F.preference_config(sft_steps=steps)
       run_info.start_run(logdir, cfg, use_wandb=_F.wandb.value)
       s = pipeline.run_preference(data, cfg, logdir=logdir, stop_after="sft",
                                   placement=placement, log=runtime.primary_print)

@@ -311,10 +311,10 @@ def _save_safetensors(tensors: dict[str, np.ndarray], file: str, metadata: dict[
   """``safetensors.numpy.save_file``, then the mode a plain ``open`` gives (``0o666`` less the
   umask): safetensors creates its files ``0o600``, which a server running as another user
   (e.g. vLLM) could not read beside the ``0o644`` config and tokenizer files."""
+  from rljax.checkpoint import current_umask  # imports orbax: only when saving
+
   safetensors.numpy.save_file(tensors, file, metadata=metadata)
-  umask = os.umask(0o022)
-  os.umask(umask)
-  os.chmod(file, 0o666 & ~umask)
+  os.chmod(file, 0o666 & ~current_umask())
 
 
 def _write_shards(tensors: dict[str, np.ndarray], path: str, max_shard_bytes: int) -> None:

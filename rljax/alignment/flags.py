@@ -220,8 +220,8 @@ class StageFlags:
   def preference_config(self, **changes):
     """The ``--preference_data`` run's ``rljax.alignment.pipeline.PreferenceConfig``: the
     defaults for ``--model`` (`DataFlags.base_config`) with ``--limit``, ``--seed``, the data
-    flags (`DataFlags.overrides`), ``changes`` (a script's own fields, e.g. ``sft_steps``) and
-    ``--pretrain_steps`` applied.
+    flags (`DataFlags.overrides`), ``changes`` (a script's own fields, e.g. ``sft_steps``; one
+    given as None keeps its default) and ``--pretrain_steps`` applied.
 
     Raises:
       ValueError: a flag out of range (`checked`), a bad flag combination, or a field the
@@ -229,7 +229,7 @@ class StageFlags:
     """
     return self.with_pretrain_steps(dataclasses.replace(
         self.data.base_config(), limit=self.limit.value, seed=self.seed.value,
-        **self.data.overrides(), **changes))
+        **self.data.overrides(), **{k: v for k, v in changes.items() if v is not None}))
 
 
 def define_stage_flags(*, logdir_prefix: str, data_help: str, steps_help: str,

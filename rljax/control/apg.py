@@ -735,7 +735,7 @@ def train_apg(config: APGConfig, logdir: str | None = None, *, progress: bool = 
 def _items(state: APGState, env_state, env_steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
   """The checkpoint's ``policy`` item (what `load_policy` reads, as the PPO trainer saves it)
   and ``train_state`` item (the rest of the state, the environments' included)."""
-  return ({"params": nnx.to_pure_dict(state.params), "obs_stats": state.obs_stats._asdict()},
+  return (ppo_trainer._policy_item(state),  # reads .params and .obs_stats, as APGState has
           {"opt_state": state.opt_state, "key": state.key, "update": state.update,
            "env_steps": np.asarray(env_steps, np.int64),
            "env_state": ckpt.to_saveable(env_state)})
