@@ -125,6 +125,26 @@ def test_beta0_skips_the_reference_pass_without_changing_the_update():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_kl_metric_is_the_k1_sum_per_response_whatever_the_estimator():
+  """``kl`` is TRL's ``objective/kl``: the batch mean of ``sum_t (log pi - log pi_ref)``
+  (k1, per response, in nats), also with ``kl_estimator="k3"`` in the reward; ``kl_token`` is
+  the configured estimator's masked token mean. At step 2 the actor has moved off the
+  reference, so both are non-zero and k1 != k3."""
+  tr = _trainer(algo="ppo", kl_coef=0.05, kl_estimator="k3", actor_lr=3e-2,
+                ppo=ppo.PPOConfig(num_epochs=1, num_minibatches=1))
+  tr.step()
+  rec = tr.step()
+  b = tr.last_batch
+  m = b["mask"].astype(np.float64)
+  d = (b["log_probs"].astype(np.float64) - b["ref_log_probs"]) * m
+  k1 = d.sum(-1).mean()
+  k3 = ((np.expm1(-d) + d) * m).sum() / m.sum()
+  assert abs(k1) > 1e-4
+  np.testing.assert_allclose(rec["kl"], k1, rtol=1e-4, atol=1e-7)
+  np.testing.assert_allclose(rec["kl_token"], k3, rtol=1e-4, atol=1e-7)
+  assert abs(rec["kl_token"] - rec["kl"] / m.sum(-1).mean()) > 1e-6  # not k1 per token
+
+
 def test_kl_in_loss_is_zero_at_the_reference():
   # A reward that differs within groups (sum of token ids), so the policy moves.
   by_length = lambda smp: np.asarray([sum(ids) for ids in smp.response_ids], np.float32)
