@@ -134,3 +134,15 @@ def test_preference_sigkill_then_resume_is_bitwise_exact(setup, tmp_path):
   with torch.no_grad():
     logits = hf(torch.tensor([hf_tok("Tell me about tea.").input_ids])).logits
   assert torch.isfinite(logits).all()
+  # Stage times: pre-training is timed on its own (from the frozen save's metadata when
+  # resumed), as in the embedded pipeline's summary.
+  assert all(s["pretrain_s"] > 0 and s["sft_s"] > 0 for s in summaries)
+  # The same command on the finished run trains nothing and keeps its Hugging Face folder.
+  weights = os.path.join(ref, "hf_model", "model.safetensors")
+  before = os.stat(weights)
+  out = subprocess.run(_cmd(data, ref, cache), capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert f"has finished all {LAST_STEP} RL steps: nothing left to train" in out.stdout
+  assert f"kept {os.path.join(ref, 'hf_model')}" in out.stdout, out.stdout[-2000:]
+  after = os.stat(weights)
+  assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)

@@ -561,6 +561,11 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
   :func:`run_embedded`. With ``config.model`` the tokenizer and the initial weights come from
   that Hugging Face folder (:func:`load_pretrained`) and pre-training is skipped.
 
+  Summary times (s): ``pretrain_s`` from the start to the end of pre-training (the ``model``
+  load, reading the data, the tokenizer and pre-training), then ``sft_s``, ``rm_s``, ``rl_s``,
+  and ``wall_s`` for all; a run resumed from an older checkpoint without ``pretrain_s`` reports
+  0 there. Re-running a finished run trains nothing and keeps its ``hf_model``.
+
   Raises:
     FileNotFoundError / rljax.envs.text.data.DataError: for a missing or malformed file.
     rljax.sharding.mesh.MeshError: a batch the training mesh's data axes do not divide.
@@ -575,7 +580,7 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
                   batch_sizes={"batch_size": config.batch_size,
                                "2 * rm_batch_size": 2 * config.rm_batch_size})
   # A pretrained model (--model) is loaded, and so checked, before anything is written. The
-  # wall times count from here, so ``wall_s`` and ``sft_s`` include that load.
+  # wall times count from here, so ``wall_s`` and ``pretrain_s`` include that load.
   t0 = time.perf_counter()
   pretrained = (None if config.model is None else
                 load_pretrained(config.model, layout=train_layout(placement), seed=config.seed))
@@ -646,6 +651,7 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
         pack_length=2 * max_len), pad_id=tok.pad_token_id,
         writer=writer, prefix="pretrain/", layout=layout)
     log(f"pretrain: loss {h[-1]['pretrain/loss']:.3f}")
+  t_pre = time.perf_counter()
   model, _, h = sft.train_sft(model, sft_data, sft.SFTConfig(
       num_steps=config.sft_steps, batch_size=config.batch_size, learning_rate=config.lr / 2,
       length_buckets=buckets, log_every=50, seed=config.seed, packing=config.packing,
@@ -698,7 +704,7 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
   meta = {"rm/eval_accuracy": ev["rm/eval_accuracy"],
           "rm/eval_accuracy_ci_low": ev["rm/eval_accuracy_ci_low"],
           "rm/eval_accuracy_ci_high": ev["rm/eval_accuracy_ci_high"], "rm_heldout": len(ho),
-          "sft_s": t_sft - t0, "rm_s": t_rm - t_sft}
+          "pretrain_s": t_pre - t0, "sft_s": t_sft - t_pre, "rm_s": t_rm - t_sft}
   if use_ckpt:
     checkpointing.save_frozen(logdir, {"reference": model, "reward": rm_model}, meta)
   return _preference_rl(config, tok, prompts, model, rm_model, meta, logdir=logdir,
@@ -784,13 +790,20 @@ def _preference_rl(config: PreferenceConfig, tok, prompts, model, rm_model, meta
     history = trainer.train(writer=writer, callback=show)
   if writer is not None:
     writer.close()
-  hf_model = None if logdir is None else export_hf_model(
-      trainer.actor_model(), logdir, tokenizer_dir=tokenizer_dir, log=log)
+  hf_model = None
+  if logdir is not None:
+    hf_model = os.path.join(logdir, HF_MODEL_DIR)
+    if resumed_from == config.rl.num_steps and os.path.isdir(hf_model):
+      log(f"kept {hf_model}: the finished run exported it")  # nothing trained here
+    else:
+      hf_model = export_hf_model(trainer.actor_model(), logdir, tokenizer_dir=tokenizer_dir,
+                                 log=log)
   summary = dict(
       hf_model=hf_model, num_pairs=num_pairs, rm_accuracy=meta["rm/eval_accuracy"],
       rm_ci=(meta["rm/eval_accuracy_ci_low"], meta["rm/eval_accuracy_ci_high"]),
       rm_heldout=meta["rm_heldout"], **history_summary(history, 5),
-      wall_s=time.perf_counter() - t0, sft_s=meta["sft_s"], rm_s=meta["rm_s"],
+      wall_s=time.perf_counter() - t0, pretrain_s=meta.get("pretrain_s", 0.0),
+      sft_s=meta["sft_s"], rm_s=meta["rm_s"],
       rl_s=time.perf_counter() - t_rm, history=history, resumed_from=resumed_from)
   write_summary(logdir, summary)
   return summary
