@@ -27,7 +27,7 @@ _F = alignment_flags.define_stage_flags(
 _MARGIN = flags.DEFINE_float("margin", None, "Bradley-Terry margin.")
 _SFT_STEPS = alignment_flags.define_sft_steps_flag(
     "SFT steps before the reward model, which starts from the SFT model (default: the "
-    "pipeline's).")
+    "pipeline's; 0 starts it from --model or the pre-trained model).")
 
 
 def main(argv):
@@ -48,7 +48,7 @@ def main(argv):
     logdir = _F.resolved_logdir(time.strftime("%Y%m%d-%H%M%S"))
     steps = _F.checked_num_steps()
     cfg = _F.preference_config(rm_steps=steps,
-                               sft_steps=alignment_flags.checked(_SFT_STEPS, at_least=1),
+                               sft_steps=alignment_flags.checked(_SFT_STEPS, at_least=0),
                                rm_margin=alignment_flags.checked(_MARGIN, at_least=0))
     pipeline.check_stage_logdir(logdir, "train_reward_model.py")
     check_writable(logdir)

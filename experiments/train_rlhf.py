@@ -4,6 +4,8 @@ r"""RLHF: SFT -> (reward model) -> RL with PPO, GRPO, RLOO or REINFORCE++.
     python experiments/train_rlhf.py --algo=grpo
     python experiments/train_rlhf.py --preference_data=PATH/hh-rlhf-harmless-base-test.jsonl.gz
     python experiments/train_rlhf.py --preference_data=PATH --model=HF_FOLDER  # pretrained start
+    python experiments/train_rlhf.py --preference_data=PATH --model=SFT_FOLDER --sft_steps=0 \
+        --reward_model=RM_FOLDER        # the other scripts' hf_model folders (OpenRLHF-style)
 
 With no flags: a tiny Llama-style LM is pre-trained briefly on code-generated additions
 ("a+b=c"), fine-tuned on "a+b=" -> "c", then trained with RL against a programmatic reward
@@ -15,7 +17,9 @@ With --preference_data: a BPE tokenizer trained on the data, pre-training on the
 SFT on the chosen responses, a Bradley-Terry reward model on a 90/10 split (held-out accuracy
 with a 95% CI), then PPO against that reward model. With --model (a Hugging Face Llama/Qwen2
 folder, as OpenRLHF's --pretrain) the tokenizer and the initial weights of the actor, the
-reference and the reward model's and critic's trunks come from it; no pre-training.
+reference and the reward model's and critic's trunks come from it; no pre-training. With
+--reward_model (a trained reward model's Hugging Face folder, e.g. train_reward_model.py's
+hf_model or TRL's RewardTrainer output; OpenRLHF's --reward_pretrain) no reward model is trained.
 
 Everything lives in rljax.alignment.pipeline; this script parses flags. User errors exit with
 status 2 and one line (--verbose for a traceback).
@@ -89,8 +93,13 @@ _CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", None,
                                  "Cache directory (default ~/.cache/rljax).")
 # Stage sizes (tests and quick runs use small ones).
 _SFT_STEPS = alignment_flags.define_sft_steps_flag(
-    "SFT steps (embedded task: 0 skips SFT; --preference_data runs: >= 1).")
+    "SFT steps (0 skips SFT, e.g. for a --model that is already fine-tuned).")
 _RM_STEPS = flags.DEFINE_integer("rm_steps", None, "--preference_data: reward-model steps.")
+_REWARD_MODEL = flags.DEFINE_string(
+    "reward_model", None, "--preference_data with --model: a trained reward model's Hugging "
+    "Face folder (train_reward_model.py's <logdir>/hf_model, or a one-label "
+    "*ForSequenceClassification folder as TRL's RewardTrainer saves; OpenRLHF's "
+    "--reward_pretrain) used instead of training one; it must share --model's tokenizer.")
 _EVAL_PROMPTS = flags.DEFINE_integer(
     "num_eval_prompts", None, "Embedded: held-out problems for greedy accuracy (0 = none).")
 _PPS = flags.DEFINE_integer("prompts_per_step", None, "Prompts per RL step.")
@@ -131,21 +140,30 @@ def check_checkpoint_flags() -> None:
 def stage_overrides(preference_data: str | None) -> dict:
   """Stage sizes set by flags: ``EmbeddedConfig`` fields (``--sft_steps`` >= 0, 0 skipping SFT;
   ``--num_eval_prompts`` >= 0) or, with ``preference_data``, ``PreferenceConfig`` fields
-  (``--sft_steps`` and ``--rm_steps`` >= 1).
+  (``--sft_steps`` >= 0, ``--rm_steps`` >= 1, ``--reward_model``, which excludes
+  ``--rm_steps`` and ``--rm_lr``).
 
   Raises:
     ValueError: a value out of range, or a flag the selected pipeline has no use for.
   """
   if preference_data is None:
-    if _RM_STEPS.value is not None:
-      raise ValueError("--rm_steps applies to --preference_data runs only (the embedded "
-                       "addition task's reward is exact match, with no reward model)")
+    for flag in (_RM_STEPS, _REWARD_MODEL):
+      if flag.value is not None:
+        raise ValueError(f"--{flag.name} applies to --preference_data runs only (the embedded "
+                         f"addition task's reward is exact match, with no reward model)")
     bounds = {"sft_steps": (_SFT_STEPS, 0), "num_eval_prompts": (_EVAL_PROMPTS, 0)}
   else:
     if _EVAL_PROMPTS.value is not None:
       raise ValueError("--num_eval_prompts applies to the embedded addition task only")
-    bounds = {"sft_steps": (_SFT_STEPS, 1), "rm_steps": (_RM_STEPS, 1)}
+    if _REWARD_MODEL.value is not None:
+      for name in ("rm_steps", "rm_lr"):
+        if flags.FLAGS[name].value is not None:
+          raise ValueError(f"--{name} trains a reward model; --reward_model "
+                           f"{_REWARD_MODEL.value!r} loads a trained one instead")
+    bounds = {"sft_steps": (_SFT_STEPS, 0), "rm_steps": (_RM_STEPS, 1)}
   out = {k: alignment_flags.checked(flag, at_least=low) for k, (flag, low) in bounds.items()}
+  if preference_data is not None:
+    out["reward_model"] = _REWARD_MODEL.value
   return {k: v for k, v in out.items() if v is not None}
 
 

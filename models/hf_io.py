@@ -22,6 +22,15 @@ with heads split out)::
 
 The value and reward heads have no Hugging Face counterpart; they are saved to a separate
 ``rljax_heads.safetensors`` only when asked (so vLLM never sees unknown tensors).
+
+A reward model is saved as ``{Llama,Qwen2}ForSequenceClassification`` with ``num_labels`` 1, the
+format of TRL's ``RewardTrainer`` (``AutoModelForSequenceClassification`` reads it; its score is
+``score.weight`` applied at the last non-padding token): ``score.weight [1, E]`` is the reward
+head's kernel, and there is no ``lm_head``. ``score`` has no bias, so the reward head's bias
+(0 after Bradley-Terry training, whose loss only sees score differences) lives, with the value
+head, in ``rljax_heads.safetensors``. Such a folder, from rljax or from TRL, loads back into a
+``DecoderLM`` whose reward head is ``score.weight`` (bias 0 without the heads file) and whose
+LM head, which the folder lacks, is zero (uniform logits; scores do not use it).
 """
 
 from __future__ import annotations
@@ -48,6 +57,9 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 HEADS_FILE = "rljax_heads.safetensors"
+SCORE_TENSOR = "score.weight"  # AutoModelForSequenceClassification's head, [num_labels, E]
+_REWARD_ARCHITECTURES = {"llama": "LlamaForSequenceClassification",
+                         "qwen2": "Qwen2ForSequenceClassification"}
 # Files copied next to the weights by ``save_hf_checkpoint(..., copy_files_from=...)``.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt",
@@ -79,14 +91,15 @@ def _one(name, path, shape, to_rljax=None, to_hf=None) -> _TensorMap:
   return _TensorMap((name,), path, (shape,), to_rljax, lambda x: (to_hf(x),))
 
 
-def _tensor_maps(c: llm.LMConfig) -> list[_TensorMap]:
-  """The full name/layout table for config ``c``."""
+def _tensor_maps(c: llm.LMConfig, *, lm_head: bool = True) -> list[_TensorMap]:
+  """The full name/layout table for config ``c`` (without ``lm_head.weight`` unless ``lm_head``:
+  a sequence-classification folder has none)."""
   e, h, k, d, m, v = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                       c.intermediate_size, c.vocab_size)
   t = lambda x: np.ascontiguousarray(x.T)  # noqa: E731
   maps = [_one("model.embed_tokens.weight", ("embed",), (v, e)),
           _one("model.norm.weight", ("final_norm", "scale"), (e,))]
-  if not c.tie_word_embeddings:
+  if lm_head and not c.tie_word_embeddings:
     maps.append(_one("lm_head.weight", ("lm_head",), (v, e), t, t))
   for i in range(c.num_layers):
     p = f"model.layers.{i}."
@@ -139,6 +152,12 @@ _HEAD_NAMES = {
     ("reward_head", "kernel"): "reward_head.kernel",
     ("reward_head", "bias"): "reward_head.bias",
 }
+
+
+def is_reward_model_config(hf_config: Mapping[str, Any]) -> bool:
+  """Whether a ``config.json`` dict describes a sequence-classification (reward) model."""
+  return any(str(a).endswith("ForSequenceClassification")
+             for a in hf_config.get("architectures") or ())
 
 
 def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -227,6 +246,11 @@ def load_hf_checkpoint(
 ) -> llm.DecoderLM:
   """Loads a Hugging Face Llama/Qwen2 checkpoint folder into a :class:`~rljax.models.llm.DecoderLM`.
 
+  A ``*ForSequenceClassification`` folder (a reward model, e.g. TRL's ``RewardTrainer`` output
+  or ``save_hf_checkpoint(..., reward_model=True)``) has ``score.weight [1, E]`` instead of
+  ``lm_head.weight``: it becomes the reward head's kernel (unless ``rljax_heads.safetensors``
+  holds the exact heads) and the LM head is zero.
+
   Args:
     path: folder with ``config.json`` and ``model.safetensors`` or ``model.safetensors.index.json``.
     dtype: parameter/activation dtype of the returned model, ``'float32'`` or ``'bfloat16'``
@@ -243,21 +267,41 @@ def load_hf_checkpoint(
 
   Raises:
     ValueError: unsupported ``model_type`` (or other unsupported config field), naming it.
-    CheckpointError: a tensor is missing or its shape does not match ``config.json``; the
-      message names the tensor, the expected and the found shape.
+    CheckpointError: a tensor is missing or its shape does not match ``config.json`` (for a
+      reward model folder: ``score.weight`` other than ``[1, E]``); the message names the
+      tensor, the expected and the found shape.
     FileNotFoundError: no ``config.json`` or no safetensors weights in the folder.
   """
-  config = llm.LMConfig.from_hf_config(read_hf_config(path), dtype=dtype)
+  hf_config = read_hf_config(path)
+  config = llm.LMConfig.from_hf_config(hf_config, dtype=dtype)
+  reward_folder = is_reward_model_config(hf_config)
   abstract = nnx.eval_shape(lambda: llm.DecoderLM(config, rngs=nnx.Rngs(seed)))
   graphdef, abstract_state = nnx.split(abstract)
   variables = dict(nnx.to_flat_state(abstract_state))
   where = _sharding_lookup(shardings)
   param_dtype = _np_dtype(config.jnp_dtype)
 
+  def put(p: Path, arr: np.ndarray) -> jax.Array:
+    return _place(arr, where(p, variables[p].get_metadata().get("out_sharding")))
+
   source = _TensorSource(path)
   values: dict[Path, jax.Array] = {}
+  score = None
   try:
-    for tm in _tensor_maps(config):
+    if reward_folder:  # TRL's reward model format: score.weight [1, E], no lm_head
+      expected = (1, config.hidden_size)
+      if SCORE_TENSOR not in source:
+        raise CheckpointError(f"tensor {SCORE_TENSOR!r} is missing from {source.path} (needed "
+                              f"by config.json's architectures {hf_config['architectures']})")
+      if source.shape(SCORE_TENSOR) != expected:
+        raise CheckpointError(
+            f"tensor {SCORE_TENSOR!r} in {source.path} has shape {source.shape(SCORE_TENSOR)}, "
+            f"expected {expected}: a reward model has one label (num_labels=1)")
+      score = source.get(SCORE_TENSOR)[0].astype(np.float32)
+      if not config.tie_word_embeddings:
+        values[("lm_head",)] = put(("lm_head",), np.zeros(
+            variables[("lm_head",)].get_value().shape, param_dtype))
+    for tm in _tensor_maps(config, lm_head=not reward_folder):
       for name, expected in zip(tm.hf_names, tm.hf_shapes):
         if name not in source:
           raise CheckpointError(
@@ -268,9 +312,8 @@ def load_hf_checkpoint(
           raise CheckpointError(
               f"tensor {name!r} in {source.path} has shape {found}, but config.json implies "
               f"{expected}")
-      var = variables[tm.path]
       arr = tm.to_rljax(*(source.get(name) for name in tm.hf_names)).astype(param_dtype)
-      values[tm.path] = _place(arr, where(tm.path, var.get_metadata().get("out_sharding")))
+      values[tm.path] = put(tm.path, arr)
   finally:
     source.close()
 
@@ -283,15 +326,16 @@ def load_hf_checkpoint(
         if arr.shape != expected:
           raise CheckpointError(
               f"tensor {name!r} in {heads_file} has shape {arr.shape}, expected {expected}")
-        values[p] = _place(arr, where(p, variables[p].get_metadata().get("out_sharding")))
+        values[p] = put(p, arr)
   else:
     rngs = nnx.Rngs(seed)
     for head in ("value_head", "reward_head"):
       fresh = nnx.to_flat_state(nnx.state(llm.ScalarHead(config.hidden_size, rngs=rngs)))
       for sub, v in fresh:
         p = (head,) + tuple(sub)
-        values[p] = _place(np.asarray(v.get_value()),
-                           where(p, variables[p].get_metadata().get("out_sharding")))
+        values[p] = put(p, np.asarray(v.get_value()))
+    if score is not None:  # bias: the fresh head's 0, as HF's bias-free score
+      values[("reward_head", "kernel")] = put(("reward_head", "kernel"), score)
 
   missing = set(variables) - set(values)
   if missing:  # pragma: no cover - guards the name table against model changes
@@ -349,6 +393,7 @@ def save_hf_checkpoint(
     max_shard_size: int = 5 * 1024**3,
     include_heads: bool = False,
     copy_files_from: str | os.PathLike | None = None,
+    reward_model: bool = False,
 ) -> None:
   """Writes ``model`` as a Hugging Face checkpoint folder that ``transformers`` and vLLM load.
 
@@ -364,17 +409,27 @@ def save_hf_checkpoint(
     max_shard_size: maximum bytes per safetensors file.
     include_heads: also write the value and reward heads to ``rljax_heads.safetensors``.
     copy_files_from: a folder whose tokenizer and generation-config files are copied alongside.
+    reward_model: save as ``{Llama,Qwen2}ForSequenceClassification`` (``num_labels`` 1), the
+      format ``AutoModelForSequenceClassification`` and TRL read: ``score.weight`` is the
+      reward head's kernel ``[1, E]``, no ``lm_head``; implies ``include_heads`` (the exact
+      heads, with the reward bias that ``score`` lacks).
   """
   config: llm.LMConfig = model.config
   dtype = dtype or config.dtype
   np_dtype = _np_dtype(dtype)
   flat = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
   tensors = {}
-  for tm in _tensor_maps(config):
+  for tm in _tensor_maps(config, lm_head=not reward_model):
     for name, arr in zip(tm.hf_names, tm.to_hf(_to_host(flat[tm.path]).astype(np_dtype))):
       tensors[name] = np.array(arr, order="C")
+  hf_config = config.to_hf_config(torch_dtype=dtype)
+  if reward_model:
+    kernel = _to_host(flat[("reward_head", "kernel")])
+    tensors[SCORE_TENSOR] = np.array(kernel[None, :], dtype=np_dtype, order="C")
+    hf_config.update(architectures=[_REWARD_ARCHITECTURES[config.model_type]],
+                     id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
   heads = {name: np.array(_to_host(flat[p]), dtype=np.float32, order="C")
-           for p, name in _HEAD_NAMES.items()} if include_heads else None
+           for p, name in _HEAD_NAMES.items()} if include_heads or reward_model else None
   if jax.process_index() != 0:
     return
   path = os.fspath(path)
@@ -385,7 +440,7 @@ def save_hf_checkpoint(
       if os.path.exists(src):
         shutil.copyfile(src, os.path.join(path, name))
   with open(os.path.join(path, CONFIG_FILE), "w") as f:
-    json.dump(config.to_hf_config(torch_dtype=dtype), f, indent=2)
+    json.dump(hf_config, f, indent=2)
   _write_shards(tensors, path, max_shard_size)
   if heads is not None:
     _save_safetensors(heads, os.path.join(path, HEADS_FILE), {"format": "pt"})

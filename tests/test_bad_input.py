@@ -139,8 +139,8 @@ def _cases(tmp_path, existing, hf=None):
       "config_mismatch_nested": ("train_rlhf.py", [e, "--kl_coef=0.5"],
                                  "different config (rl.kl_coef: saved 0.02, now 0.5, sft_steps: "
                                  "saved 7, now 150)"),
-      "sft_steps_zero": ("train_rlhf.py", [f"--preference_data={good}", "--sft_steps=0", e],
-                         "sft_steps must be >= 1, got 0"),
+      "sft_steps_negative": ("train_rlhf.py", [f"--preference_data={good}", "--sft_steps=-1", e],
+                             "--sft_steps must be >= 0, got -1"),
       # --num_steps: one check shared by the three scripts (rljax.alignment.flags).
       "sft_num_steps_zero": ("train_sft.py", [f"--preference_data={good}", "--num_steps=0", n],
                              "--num_steps must be >= 1, got 0"),
@@ -166,9 +166,9 @@ def _cases(tmp_path, existing, hf=None):
       "rm_margin_negative": ("train_reward_model.py", [f"--preference_data={good}",
                                                        "--margin=-0.5", n],
                              "--margin must be >= 0, got -0.5"),
-      "rm_sft_steps_zero": ("train_reward_model.py", [f"--preference_data={good}",
-                                                      "--sft_steps=0", n],
-                            "--sft_steps must be >= 1, got 0"),
+      "rm_sft_steps_negative": ("train_reward_model.py", [f"--preference_data={good}",
+                                                          "--sft_steps=-2", n],
+                                "--sft_steps must be >= 0, got -2"),
       "lr_not_positive": ("train_sft.py", [f"--preference_data={good}", "--lr=0", n],
                           "--lr must be > 0, got 0.0"),
       "rm_lr_without_data": ("train_rlhf.py", ["--rm_lr=1e-5", e],
@@ -195,6 +195,22 @@ def _cases(tmp_path, existing, hf=None):
       "model_missing_config": (
           "train_rlhf.py", [f"--preference_data={good}", m.get("no_config"), e],
           f"--model {hf.get('no_config')!r}: no config.json in the folder"),
+      # --reward_model: needs --model and the data, excludes reward-model training flags, and
+      # must hold a trained reward head (a plain causal-LM folder does not).
+      "reward_model_without_model": (
+          "train_rlhf.py", [f"--preference_data={good}", f"--reward_model={hf.get('good')}", e],
+          f"--reward_model {hf.get('good')!r} needs --model"),
+      "reward_model_without_data": (
+          "train_rlhf.py", [f"--reward_model={hf.get('good')}", e],
+          "--reward_model applies to --preference_data runs only"),
+      "reward_model_with_rm_steps": (
+          "train_rlhf.py", [f"--preference_data={good}", m.get("good"),
+                            f"--reward_model={hf.get('good')}", "--rm_steps=5", e],
+          "--rm_steps trains a reward model; --reward_model"),
+      "reward_model_not_a_reward_model": (
+          "train_rlhf.py", [f"--preference_data={good}", m.get("good"),
+                            f"--reward_model={hf.get('good')}", e],
+          f"--reward_model {hf.get('good')!r} is not a trained reward model"),
       "model_with_tokenizer": (
           "train_sft.py", [f"--preference_data={good}", m.get("good"), f"--tokenizer={tok_dir}",
                            n],
@@ -211,9 +227,9 @@ def _cases(tmp_path, existing, hf=None):
 
 CASES = ["unknown_algo", "logdir_not_writable", "malformed_json", "invalid_utf8",
          "missing_rejected", "empty_dataset", "data_is_a_directory", "limit_zero",
-         "missing_file", "overlong_prompts_rejected", "tokenizer_exceeds_vocab", "config_mismatch", "config_mismatch_nested", "sft_steps_zero",
+         "missing_file", "overlong_prompts_rejected", "tokenizer_exceeds_vocab", "config_mismatch", "config_mismatch_nested", "sft_steps_negative",
          "sft_num_steps_zero", "rm_num_steps_negative", "rlhf_num_steps_zero",
-         "sft_pretrain_steps_negative", "rlhf_pretrain_steps_negative", "rm_sft_steps_zero",
+         "sft_pretrain_steps_negative", "rlhf_pretrain_steps_negative", "rm_sft_steps_negative",
          "rm_steps_without_data", "eval_prompts_with_data", "embedded_sft_steps_negative",
          "rm_margin_negative",
          "lr_not_positive", "rm_lr_without_data",
@@ -221,6 +237,8 @@ CASES = ["unknown_algo", "logdir_not_writable", "malformed_json", "invalid_utf8"
          "existing_run_without_resume",
          "checkpoint_every", "model_unsupported_type", "model_tensor_shape_mismatch",
          "model_missing_folder", "model_missing_config", "model_with_tokenizer",
+         "reward_model_without_model", "reward_model_without_data", "reward_model_with_rm_steps",
+         "reward_model_not_a_reward_model",
          "model_without_data", "stage_script_existing_run"]
 
 
@@ -293,11 +311,14 @@ def test_resume_check_compares_nested_fields_and_implies_class_defaults(tmp_path
 
 
 def test_preference_config_rejects_bad_step_counts_and_rates():
-  for name, bad in (("sft_steps", 0), ("rm_steps", 0), ("rm_batch_size", 0)):
+  for name, bad in (("rm_steps", 0), ("rm_batch_size", 0)):
     with pytest.raises(ValueError, match=f"^{name} must be >= 1, got {bad}.$"):
       pipeline.PreferenceConfig(**{name: bad})
-  with pytest.raises(ValueError, match=r"^pretrain_steps must be >= 0, got -1.$"):
-    pipeline.PreferenceConfig(pretrain_steps=-1)
+  for name in ("pretrain_steps", "sft_steps"):
+    with pytest.raises(ValueError, match=rf"^{name} must be >= 0, got -1.$"):
+      pipeline.PreferenceConfig(**{name: -1})
+  with pytest.raises(ValueError, match=r"^--reward_model 'rm' needs --model"):
+    pipeline.PreferenceConfig(reward_model="rm")
   assert pipeline.PreferenceConfig(pretrain_steps=0).pretrain_steps == 0
   # The rates, where the library (not only the scripts' flags) builds the config.
   for name, bad in (("lr", 0.0), ("rm_lr", -1e-5), ("lr", float("nan"))):

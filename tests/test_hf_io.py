@@ -105,6 +105,73 @@ def test_heads_saved_only_on_request(tmp_path):
   np.testing.assert_array_equal(back.reward_head.kernel[...], model.reward_head.kernel[...])
 
 
+# Right-padded rows (pad id 0 never occurs in the content): the last real token is at 16 and 9.
+RM_TOKENS = np.random.RandomState(2).randint(5, VOCAB, (2, 17))
+RM_MASK = np.ones_like(RM_TOKENS)
+RM_MASK[1, 10:] = 0
+RM_TOKENS[RM_MASK == 0] = 0
+
+
+def _rljax_scores(model):
+  hidden, _ = model.hidden_states(jnp.asarray(RM_TOKENS), attention_mask=jnp.asarray(RM_MASK))
+  return np.asarray(model.rewards(hidden, jnp.asarray(RM_MASK)))
+
+
+def _hf_scores(path):
+  hf, info = transformers.AutoModelForSequenceClassification.from_pretrained(
+      path, output_loading_info=True)
+  with torch.no_grad():
+    out = hf.eval()(torch.tensor(RM_TOKENS), attention_mask=torch.tensor(RM_MASK)).logits
+  return out.numpy(), info, hf
+
+
+@pytest.mark.parametrize("kind,tied", [("llama", False), ("qwen2", True)])
+def test_reward_model_saves_as_sequence_classification(tmp_path, kind, tied):
+  """``reward_model=True`` writes TRL's reward-model format: transformers'
+  ``AutoModelForSequenceClassification`` loads it with no missing weight and scores the
+  right-padded rows as rljax does (at the last non-padding token); rljax loads it back with
+  the exact heads, including a reward bias that HF's bias-free ``score`` cannot hold."""
+  _hf_model(kind, tie_word_embeddings=tied, pad_token_id=0).save_pretrained(tmp_path / "src")
+  model = hf_io.load_hf_checkpoint(tmp_path / "src", seed=4)
+  hf_io.save_hf_checkpoint(model, tmp_path / "rm", reward_model=True)
+  config = json.loads((tmp_path / "rm" / "config.json").read_text())
+  assert config["architectures"] == [hf_io._REWARD_ARCHITECTURES[kind]]
+  tensors = safetensors.numpy.load_file(tmp_path / "rm" / "model.safetensors")
+  assert "lm_head.weight" not in tensors and tensors["score.weight"].shape == (1, 32)
+  scores, info, hf = _hf_scores(tmp_path / "rm")
+  assert type(hf).__name__ == hf_io._REWARD_ARCHITECTURES[kind]
+  assert not info["missing_keys"], info
+  assert scores.shape == (2, 1)
+  np.testing.assert_allclose(scores[:, 0], _rljax_scores(model), atol=1e-4)
+  # Back into rljax: identical scores; a reward bias survives in rljax_heads.safetensors.
+  model.reward_head.bias[...] = jnp.float32(0.75)
+  hf_io.save_hf_checkpoint(model, tmp_path / "rm_bias", reward_model=True)
+  back = hf_io.load_hf_checkpoint(tmp_path / "rm_bias")
+  np.testing.assert_allclose(_rljax_scores(back), _rljax_scores(model), atol=1e-6)
+  assert float(back.reward_head.bias[...]) == 0.75
+
+
+def test_transformers_reward_model_folder_loads(tmp_path):
+  """A ``Qwen2ForSequenceClassification`` saved by transformers (what TRL's RewardTrainer
+  writes; no rljax heads file): rljax's reward head is ``score.weight`` with bias 0 and its
+  scores equal HF's logits; a 2-label head is refused, naming the tensor."""
+  torch.manual_seed(3)
+  cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                 num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, pad_token_id=0, num_labels=1)
+  transformers.Qwen2ForSequenceClassification(cfg).save_pretrained(tmp_path / "trl")
+  model = hf_io.load_hf_checkpoint(tmp_path / "trl")
+  scores, _, _ = _hf_scores(tmp_path / "trl")
+  np.testing.assert_allclose(_rljax_scores(model), scores[:, 0], atol=1e-4)
+  assert float(model.reward_head.bias[...]) == 0.0
+  assert not np.any(np.asarray(model.lm_head[...]))  # the folder has no LM head
+  cfg.num_labels = 2
+  transformers.Qwen2ForSequenceClassification(cfg).save_pretrained(tmp_path / "two")
+  with pytest.raises(hf_io.CheckpointError,
+                     match=r"'score\.weight' .* has shape \(2, 32\), expected \(1, 32\)"):
+    hf_io.load_hf_checkpoint(tmp_path / "two")
+
+
 def test_target_sharding(tmp_path):
   hf = _hf_model("llama")
   hf.save_pretrained(tmp_path / "src")

@@ -222,3 +222,54 @@ def test_train_sft_script_with_model(hf_folder, tmp_path):
   # The script starts from the pretrained defaults: SFT at lr / 2 = 5e-6.
   info = json.loads((logdir / "run_info.json").read_text())
   assert info["config"]["lr"] == 1e-5 and info["config"]["rm_lr"] == 9e-6, info["config"]
+
+
+@pytest.mark.slow
+def test_scripts_chain_reward_model_into_rlhf(hf_folder, tmp_path):
+  """OpenRLHF's chain: train_reward_model.py --model=M writes a reward model that transformers
+  loads as ``AutoModelForSequenceClassification`` (no missing weight), and train_rlhf.py
+  --model=M --sft_steps=0 --reward_model=<that hf_model> trains PPO against it without
+  training another: its held-out accuracy (same split, same weights) is the reward-model
+  script's."""
+  import re
+
+  import transformers
+
+  path = tmp_path / "hh.jsonl"
+  path.write_text("\n".join(hh_lines(40)) + "\n")
+  script = lambda name: os.path.join(REPO, "experiments", name)  # noqa: E731
+  rm = subprocess.run(
+      [sys.executable, script("train_reward_model.py"), f"--preference_data={path}",
+       f"--model={hf_folder}", "--sft_steps=0", "--num_steps=3", f"--logdir={tmp_path / 'rm'}"],
+      capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+  assert rm.returncode == 0, rm.stderr[-3000:]
+  assert "sft: skipped (sft_steps=0)" in rm.stdout, rm.stdout[-2000:]
+  accuracy = re.search(r"held-out accuracy (\S+) \(95% CI (\S+)-(\S+), n=4 ", rm.stdout)
+  assert accuracy, rm.stdout[-2000:]
+  rm_folder = str(tmp_path / "rm" / "hf_model")
+  _, info = transformers.AutoModelForSequenceClassification.from_pretrained(
+      rm_folder, output_loading_info=True)
+  assert not info["missing_keys"], info
+
+  logdir = tmp_path / "rl"
+  rl = subprocess.run(
+      [sys.executable, script("train_rlhf.py"), f"--preference_data={path}",
+       f"--model={hf_folder}", "--sft_steps=0", f"--reward_model={rm_folder}", "--num_steps=2",
+       "--prompts_per_step=4", f"--logdir={logdir}", "--nocompilation_cache"],
+      capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+  assert rl.returncode == 0, rl.stderr[-3000:]
+  assert f"reward model: loaded from {rm_folder}" in rl.stdout, rl.stdout[-2000:]
+  summary = json.loads((logdir / "summary.json").read_text())
+  lo, hi = summary["rm_ci"]
+  assert (f"{summary['rm_accuracy']:.3f}", f"{lo:.3f}", f"{hi:.3f}") == accuracy.groups()
+  records = [json.loads(line) for line in open(logdir / "metrics.jsonl")]
+  assert not any("rm/loss" in r or "sft/loss" in r for r in records)  # neither stage trained
+  assert sum("kl" in r for r in records) == 2
+
+
+def test_run_folder_given_as_model_points_at_its_hf_model(tmp_path):
+  """A run's folder instead of its exported model: the error names ``<run>/hf_model``."""
+  (tmp_path / "run" / "hf_model").mkdir(parents=True)
+  with pytest.raises(FileNotFoundError, match=r"no config\.json in the folder .*; a run's "
+                     r"exported model is in .*/run/hf_model"):
+    pipeline.load_pretrained(str(tmp_path / "run"))

@@ -174,20 +174,9 @@ def load_pretrained(path: str, *, layout=None, seed: int = 0, dtype: str = "floa
     rljax.models.hf_io.CheckpointError: a missing tensor, or one whose shape does not match
       ``config.json`` (naming the tensor and both shapes).
   """
-  from rljax.models import hf_io
   from rljax.models.tokenizer import load_tokenizer
 
-  if not os.path.isdir(path):
-    raise FileNotFoundError(f"--model {path!r}: no such folder (expected a Hugging Face model "
-                            f"folder with config.json, model.safetensors and tokenizer.json)")
-  if not os.path.exists(os.path.join(path, hf_io.CONFIG_FILE)):
-    raise FileNotFoundError(f"--model {path!r}: no {hf_io.CONFIG_FILE} in the folder (expected a "
-                            f"Hugging Face model folder)")
-  try:
-    lm_config = LMConfig.from_hf_config(hf_io.read_hf_config(path), dtype=dtype)
-  except (ValueError, KeyError, TypeError, AttributeError) as e:  # incl. malformed JSON
-    what = f"missing key {e.args[0]!r}" if isinstance(e, KeyError) and e.args else str(e)
-    raise ValueError(f"--model {path!r}: {what}") from e
+  lm_config = _hf_folder_config(path, "--model", dtype)
   tok = load_tokenizer(path)
   if tok.eos_token_id is None and lm_config.eos_token_id:
     tok.special_tokens["eos_token"] = tok.backend.id_to_token(lm_config.eos_token_id[0])
@@ -199,14 +188,84 @@ def load_pretrained(path: str, *, layout=None, seed: int = 0, dtype: str = "floa
   if tok.vocab_size > lm_config.vocab_size:
     raise ValueError(f"--model {path!r}: the tokenizer has {tok.vocab_size} tokens, more than "
                      f"the model's vocab_size {lm_config.vocab_size}")
+  return _load_hf_folder(path, lm_config, layout=layout, seed=seed, dtype=dtype), tok
+
+
+def _hf_folder_config(path: str, flag: str, dtype: str) -> LMConfig:
+  """The ``LMConfig`` of the Hugging Face folder that ``flag`` names, checked.
+
+  Raises:
+    FileNotFoundError: no such folder, or no ``config.json`` in it.
+    ValueError: an unusable ``config.json`` (naming ``flag``, the folder and why).
+  """
+  from rljax.models import hf_io
+
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"{flag} {path!r}: no such folder (expected a Hugging Face model "
+                            f"folder with config.json, model.safetensors and tokenizer.json)")
+  if not os.path.exists(os.path.join(path, hf_io.CONFIG_FILE)):
+    hint = (f"; a run's exported model is in {os.path.join(path, HF_MODEL_DIR)}"
+            if os.path.isdir(os.path.join(path, HF_MODEL_DIR)) else "")
+    raise FileNotFoundError(f"{flag} {path!r}: no {hf_io.CONFIG_FILE} in the folder (expected a "
+                            f"Hugging Face model folder){hint}")
+  try:
+    return LMConfig.from_hf_config(hf_io.read_hf_config(path), dtype=dtype)
+  except (ValueError, KeyError, TypeError, AttributeError) as e:  # incl. malformed JSON
+    what = f"missing key {e.args[0]!r}" if isinstance(e, KeyError) and e.args else str(e)
+    raise ValueError(f"{flag} {path!r}: {what}") from e
+
+
+def _load_hf_folder(path: str, lm_config: LMConfig, *, layout, seed: int, dtype: str) -> DecoderLM:
+  """``hf_io.load_hf_checkpoint``, each tensor placed in ``layout``'s training sharding."""
+  from rljax.models import hf_io
+
   shardings = None
   if layout is not None:
     from rljax.sharding import rules as rules_lib
 
     abstract = nnx.eval_shape(lambda: DecoderLM(lm_config, rngs=nnx.Rngs(seed)))
     shardings = rules_lib.shardings(nnx.state(abstract), layout.mesh, layout.preset)
-  model = hf_io.load_hf_checkpoint(path, dtype=dtype, shardings=shardings, seed=seed)
-  return model, tok
+  return hf_io.load_hf_checkpoint(path, dtype=dtype, shardings=shardings, seed=seed)
+
+
+def load_reward_model(path: str, tokenizer, *, layout=None, seed: int = 0,
+                      dtype: str = "float32") -> DecoderLM:
+  """A trained reward model's Hugging Face folder (``--reward_model``) as a ``DecoderLM``.
+
+  Either rljax's export (``train_reward_model.py``'s ``hf_model``: a
+  ``*ForSequenceClassification`` config with ``score.weight`` and ``rljax_heads.safetensors``)
+  or a one-label ``*ForSequenceClassification`` folder from transformers/TRL: its score is the
+  reward head, read at each sequence's last token as in training (``hf_io``). ``tokenizer`` is
+  the policy's: the folder's ``tokenizer.json``, when it has one, must hold the same
+  vocabulary, and the model's ``vocab_size`` must cover it.
+
+  Raises:
+    FileNotFoundError: no such folder, or no ``config.json`` or weights in it.
+    ValueError: a folder that holds no trained reward head (a plain ``*ForCausalLM`` without
+      ``rljax_heads.safetensors``), or another tokenizer (naming both folders' vocabularies).
+    rljax.models.hf_io.CheckpointError: a missing or misshapen tensor (e.g. 2 labels).
+  """
+  from rljax.models import hf_io
+  from rljax.models.tokenizer import load_tokenizer
+
+  lm_config = _hf_folder_config(path, "--reward_model", dtype)
+  if not (hf_io.is_reward_model_config(hf_io.read_hf_config(path))
+          or os.path.exists(os.path.join(path, hf_io.HEADS_FILE))):
+    raise ValueError(f"--reward_model {path!r} is not a trained reward model: its config.json "
+                     f"names no *ForSequenceClassification architecture and it has no "
+                     f"{hf_io.HEADS_FILE} (train_reward_model.py writes one in <logdir>/"
+                     f"{HF_MODEL_DIR})")
+  if os.path.exists(os.path.join(path, "tokenizer.json")):
+    own = load_tokenizer(path).backend.get_vocab()
+    if own != tokenizer.backend.get_vocab():
+      raise ValueError(f"--reward_model {path!r} has another tokenizer than --model "
+                       f"({len(own)} against {tokenizer.vocab_size} tokens, or the same count "
+                       f"with other ids): the reward model must read the policy's token ids")
+  if tokenizer.vocab_size > lm_config.vocab_size:
+    raise ValueError(f"--reward_model {path!r}: the policy's tokenizer has "
+                     f"{tokenizer.vocab_size} tokens, more than the reward model's vocab_size "
+                     f"{lm_config.vocab_size}")
+  return _load_hf_folder(path, lm_config, layout=layout, seed=seed, dtype=dtype)
 
 
 def greedy_accuracy(model, tokenizer, prompt_texts, *, max_new_tokens: int) -> float:
@@ -388,6 +447,16 @@ class PreferenceConfig:
       ``pretrain_steps`` are unused. Not with ``tokenizer``. Setting only ``model`` keeps the
       from-scratch learning rates; ``preference_defaults(model)`` (what the scripts use)
       starts from fine-tuning ones.
+    reward_model: a trained reward model's Hugging Face folder (OpenRLHF's
+      ``--reward_pretrain``): ``train_reward_model.py``'s ``hf_model``, or a
+      ``*ForSequenceClassification`` folder with one label as TRL's ``RewardTrainer`` saves
+      (:func:`load_reward_model`). It scores the PPO rollouts (after ``normalize_reward``) and
+      starts the critic; the reward-model stage, ``rm_steps`` and ``rm_lr`` are skipped, and
+      its held-out accuracy is measured on this data's split. Needs ``model``: both must share
+      one tokenizer.
+
+  ``sft_steps`` may be 0 (no SFT: the policy and the reference are the loaded ``model``, or
+  the pre-trained one).
   """
 
   vocab_size: int = 2048
@@ -419,20 +488,25 @@ class PreferenceConfig:
   overlong_prompts: str = "truncate"
   tokenizer: str | None = None
   model: str | None = None
+  reward_model: str | None = None
 
   def __post_init__(self):
     if self.model is not None and self.tokenizer is not None:
       raise ValueError("--tokenizer cannot be combined with --model: the tokenizer comes from "
                        f"the model folder {self.model!r}")
+    if self.reward_model is not None and self.model is None:
+      raise ValueError(f"--reward_model {self.reward_model!r} needs --model (the policy it "
+                       f"scores must share its tokenizer; a tokenizer trained here would not)")
     if self.overlong_prompts not in ("truncate", "reject"):
       raise ValueError(f"overlong_prompts must be 'truncate' or 'reject', got "
                        f"{self.overlong_prompts!r}")
-    for name in ("vocab_size", "max_prompt_len", "max_response_len", "sft_steps", "rm_steps",
+    for name in ("vocab_size", "max_prompt_len", "max_response_len", "rm_steps",
                  "batch_size", "rm_batch_size"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-    if self.pretrain_steps < 0:
-      raise ValueError(f"pretrain_steps must be >= 0, got {self.pretrain_steps}.")
+    for name in ("pretrain_steps", "sft_steps"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}.")
     if self.limit is not None and self.limit < 1:
       raise ValueError(f"limit (--limit, preference pairs to read) must be >= 1, got "
                        f"{self.limit}.")
@@ -466,14 +540,16 @@ HF_MODEL_DIR = "hf_model"
 
 
 def export_hf_model(model: DecoderLM, logdir: str, *, tokenizer_dir: str | None,
-                    include_heads: bool = False, log=print) -> str:
+                    include_heads: bool = False, reward_model: bool = False, log=print) -> str:
   """Writes ``model`` to ``<logdir>/hf_model`` as a Hugging Face folder and returns its path.
 
   ``config.json``, ``model.safetensors`` and ``generation_config.json``
   (:func:`rljax.models.hf_io.save_hf_checkpoint`) with the tokenizer files of ``tokenizer_dir``
   (``tokenizer.json``, ``tokenizer_config.json``, ...), so ``transformers``'
   ``AutoModelForCausalLM.from_pretrained`` and vLLM load it; ``include_heads`` adds the value and
-  reward heads as ``rljax_heads.safetensors`` (read by ``load_hf_checkpoint``). The folder is
+  reward heads as ``rljax_heads.safetensors`` (read by ``load_hf_checkpoint``);
+  ``reward_model`` writes TRL's reward-model format instead (``*ForSequenceClassification``
+  with ``score.weight``, and the heads file; ``hf_io.save_hf_checkpoint``). The folder is
   written beside as ``hf_model.partial`` and then renamed, so a crash never leaves a
   half-written ``hf_model``; an older one is replaced. Every process calls it; process 0 writes.
   """
@@ -484,7 +560,7 @@ def export_hf_model(model: DecoderLM, logdir: str, *, tokenizer_dir: str | None,
   if runtime.is_primary() and os.path.exists(partial):
     shutil.rmtree(partial)
   hf_io.save_hf_checkpoint(model, partial, include_heads=include_heads,
-                           copy_files_from=tokenizer_dir)
+                           copy_files_from=tokenizer_dir, reward_model=reward_model)
   if runtime.is_primary():
     if os.path.exists(path):
       shutil.rmtree(path)
@@ -579,11 +655,15 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
   check_placement(placement, rl=config.rl if stop_after == "rl" else None,
                   batch_sizes={"batch_size": config.batch_size,
                                "2 * rm_batch_size": 2 * config.rm_batch_size})
-  # A pretrained model (--model) is loaded, and so checked, before anything is written. The
-  # wall times count from here, so ``wall_s`` and ``pretrain_s`` include that load.
+  # A pretrained model (--model) and a reward model (--reward_model) are loaded, and so
+  # checked, before anything is written. The wall times count from here, so ``wall_s`` and
+  # ``pretrain_s`` include those loads.
   t0 = time.perf_counter()
   pretrained = (None if config.model is None else
                 load_pretrained(config.model, layout=train_layout(placement), seed=config.seed))
+  loaded_rm = (None if config.reward_model is None else  # config: with a model, so a tokenizer
+               load_reward_model(config.reward_model, pretrained[1],
+                                 layout=train_layout(placement), seed=config.seed))
   # The data is read (and so checked) before the logdir records this run's config: a bad file
   # leaves nothing that would refuse the corrected command.
   pairs = text_data.load_preference_pairs(path, limit=config.limit)
@@ -633,8 +713,11 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
                                    max_prompt_len=config.max_prompt_len,
                                    max_response_len=config.max_response_len)
   if resuming:
-    gd, st = nnx.split(model)
-    rm_model = nnx.merge(gd, jax.tree.map(jnp.copy, st))
+    if loaded_rm is not None:  # the template: its architecture may differ from the policy's
+      rm_model = loaded_rm
+    else:
+      gd, st = nnx.split(model)
+      rm_model = nnx.merge(gd, jax.tree.map(jnp.copy, st))
     meta = checkpointing.load_frozen(logdir, {"reference": model, "reward": rm_model})
     log(f"loaded the SFT and reward models from {checkpointing.frozen_dir(logdir)}")
     return _preference_rl(config, tok, prompts, model, rm_model, meta, logdir=logdir,
@@ -652,12 +735,17 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
         writer=writer, prefix="pretrain/", layout=layout)
     log(f"pretrain: loss {h[-1]['pretrain/loss']:.3f}")
   t_pre = time.perf_counter()
-  model, _, h = sft.train_sft(model, sft_data, sft.SFTConfig(
-      num_steps=config.sft_steps, batch_size=config.batch_size, learning_rate=config.lr / 2,
-      length_buckets=buckets, log_every=50, seed=config.seed, packing=config.packing,
-      pack_length=2 * max_len), pad_id=tok.pad_token_id,
-      writer=writer, prefix="sft/", layout=layout)
-  log(f"sft: response loss {h[-1]['sft/loss']:.3f}")
+  sft_loss = float("nan")
+  if config.sft_steps:
+    model, _, h = sft.train_sft(model, sft_data, sft.SFTConfig(
+        num_steps=config.sft_steps, batch_size=config.batch_size, learning_rate=config.lr / 2,
+        length_buckets=buckets, log_every=50, seed=config.seed, packing=config.packing,
+        pack_length=2 * max_len), pad_id=tok.pad_token_id,
+        writer=writer, prefix="sft/", layout=layout)
+    sft_loss = h[-1]["sft/loss"]
+    log(f"sft: response loss {sft_loss:.3f}")
+  else:
+    log("sft: skipped (sft_steps=0); the policy and the reference are the initial model")
   t_sft = time.perf_counter()
   tokenizer_dir = _tokenizer_dir(config, logdir)
   if stop_after == "sft":
@@ -666,20 +754,25 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
     hf_model = None if logdir is None else export_hf_model(
         model, logdir, tokenizer_dir=tokenizer_dir, log=log)
     return dict(num_pairs=len(pairs), num_train_pairs=len(train_pairs),
-                sft_loss=h[-1]["sft/loss"], wall_s=t_sft - t0, hf_model=hf_model)
+                sft_loss=sft_loss, wall_s=t_sft - t0, hf_model=hf_model)
 
-  gd, st = nnx.split(model)
-  rm_model = nnx.merge(gd, jax.tree.map(jnp.copy, st))  # the reward model starts from SFT
-  tr = rm_lib.tokenize_pairs(train_pairs, tok, max_prompt_len=config.max_prompt_len,
-                             max_response_len=config.max_response_len)
   ho = rm_lib.tokenize_pairs(held_pairs, tok, max_prompt_len=config.max_prompt_len,
                              max_response_len=config.max_response_len)
-  rm_model, _, h = rm_lib.train_reward_model(rm_model, tr, rm_lib.RewardModelConfig(
-      num_steps=config.rm_steps, batch_size=config.rm_batch_size, learning_rate=config.rm_lr,
-      margin=config.rm_margin,
-      length_buckets=buckets, log_every=50, seed=config.seed), pad_id=tok.pad_token_id,
-      eval_pairs=ho, writer=writer, layout=layout)
-  ev = h[-1]
+  if loaded_rm is not None:
+    rm_model = loaded_rm
+    ev = _held_out_record(rm_model, ho, tok, buckets)
+    log(f"reward model: loaded from {config.reward_model}")
+  else:
+    gd, st = nnx.split(model)
+    rm_model = nnx.merge(gd, jax.tree.map(jnp.copy, st))  # the reward model starts from SFT
+    tr = rm_lib.tokenize_pairs(train_pairs, tok, max_prompt_len=config.max_prompt_len,
+                               max_response_len=config.max_response_len)
+    rm_model, _, h = rm_lib.train_reward_model(rm_model, tr, rm_lib.RewardModelConfig(
+        num_steps=config.rm_steps, batch_size=config.rm_batch_size, learning_rate=config.rm_lr,
+        margin=config.rm_margin,
+        length_buckets=buckets, log_every=50, seed=config.seed), pad_id=tok.pad_token_id,
+        eval_pairs=ho, writer=writer, layout=layout)
+    ev = h[-1]
   if stop_after != "rm":  # train_reward_model.py prints it in its summary line
     log(f"reward model: held-out accuracy {ev['rm/eval_accuracy']:.3f} "
         f"(95% CI {ev['rm/eval_accuracy_ci_low']:.3f}-{ev['rm/eval_accuracy_ci_high']:.3f}, "
@@ -689,7 +782,7 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
     if writer is not None:
       writer.close()
     hf_model = None if logdir is None else export_hf_model(
-        rm_model, logdir, tokenizer_dir=tokenizer_dir, include_heads=True, log=log)
+        rm_model, logdir, tokenizer_dir=tokenizer_dir, reward_model=True, log=log)
     return dict(num_pairs=len(pairs), rm_accuracy=ev["rm/eval_accuracy"],
                 rm_ci=(ev["rm/eval_accuracy_ci_low"], ev["rm/eval_accuracy_ci_high"]),
                 rm_heldout=len(ho), wall_s=t_rm - t0, hf_model=hf_model)
@@ -712,6 +805,15 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
                         t0=t0, num_pairs=len(pairs), checkpoint_every=checkpoint_every,
                         keep_checkpoints=keep_checkpoints,
                         resume=resume, sigterm=sigterm, use_ckpt=use_ckpt)
+
+
+def _held_out_record(rm_model: DecoderLM, pairs, tokenizer, buckets) -> dict[str, float]:
+  """A loaded reward model's held-out accuracy and 95% CI, keyed as the trained one's last
+  record (``rm/eval_accuracy``, ``rm/eval_accuracy_ci_low``, ``rm/eval_accuracy_ci_high``)."""
+  gd, params = nnx.split(rm_model, nnx.Param)
+  r = rm_lib.evaluate(gd, params, pairs, pad_id=tokenizer.pad_token_id, length_buckets=buckets)
+  return {"rm/eval_accuracy": r.accuracy, "rm/eval_accuracy_ci_low": r.ci_low,
+          "rm/eval_accuracy_ci_high": r.ci_high}
 
 
 def normalize_reward_head(rm_model: DecoderLM, policy: DecoderLM, prompts, tokenizer, *,
