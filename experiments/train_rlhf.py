@@ -214,6 +214,7 @@ def main(argv):
       rl = dataclasses.replace(base.rl, algo=_ALGO.value, group_size=group, **overrides)
       rl = with_ppo_flags(rl)
       config = _F.preference_config(rl=rl, **stage_overrides(data))
+      pipeline.check_hf_folders(config)  # before the logdir exists
     pipeline.check_placement(placement, rl=config.rl,
                              batch_sizes={"batch_size": config.batch_size})  # before compiling
     check_writable(logdir)
@@ -265,7 +266,7 @@ def report(pipeline, config, logdir, **kw) -> None:
     runtime.primary_print(
         f"embedded {_ALGO.value}: mean reward {s['reward_first']:.3f} (first "
         f"{_steps(s['summary_steps'])}) -> {s['reward_last']:.3f} (last {s['summary_steps']}); "
-        f"KL last {s['kl_last']:.3f}, max {s['kl_max']:.3f}; "
+        f"KL last {pipeline.nats(s['kl_last'])}, max {pipeline.nats(s['kl_max'])}; "
         f"{_accuracy(s['accuracy_before'], s['accuracy_after'])}; "
         f"wall {s['wall_s']:.0f} s; logdir {logdir}")
   else:
@@ -276,8 +277,9 @@ def report(pipeline, config, logdir, **kw) -> None:
         f"{data}: reward model held-out accuracy {s['rm_accuracy']:.3f} "
         f"(95% CI {lo:.3f}-{hi:.3f}, n={s['rm_heldout']}); {_ALGO.value} reward "
         f"{s['reward_first']:.3f} (first {_steps(s['summary_steps'])}) -> "
-        f"{s['reward_last']:.3f} (last {s['summary_steps']}), KL last {s['kl_last']:.3f} "
-        f"max {s['kl_max']:.3f}; wall {s['wall_s']:.0f} s; logdir {logdir}")
+        f"{s['reward_last']:.3f} (last {s['summary_steps']}), "
+        f"KL last {pipeline.nats(s['kl_last'])} max {pipeline.nats(s['kl_max'])}; "
+        f"wall {s['wall_s']:.0f} s; logdir {logdir}")
 
 
 if __name__ == "__main__":

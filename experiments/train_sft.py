@@ -38,13 +38,17 @@ def main(argv):
     steps = _F.checked_num_steps()
     data = _F.preference_data.value
     _F.data.check_data(data)
-    pipeline.check_stage_logdir(logdir, "train_sft.py")
-    check_writable(logdir)
-    runtime.enable_compilation_cache()
     if data is None:
       cfg = _F.with_pretrain_steps(pipeline.EmbeddedConfig(seed=_F.seed.value))
       if steps is not None:
         cfg = dataclasses.replace(cfg, sft_steps=steps)
+    else:
+      cfg = _F.preference_config(sft_steps=steps)
+      pipeline.check_hf_folders(cfg)  # before the logdir exists
+    pipeline.check_stage_logdir(logdir, "train_sft.py")
+    check_writable(logdir)
+    runtime.enable_compilation_cache()
+    if data is None:
       run_info.start_run(logdir, cfg, use_wandb=_F.wandb.value)
       s = pipeline.run_embedded(cfg, logdir=logdir, stop_after="sft", placement=placement,
                                 log=runtime.primary_print)
@@ -52,7 +56,6 @@ def main(argv):
           f"embedded SFT: greedy exact-match accuracy {s['accuracy_before']:.3f}; "
           f"wall {s['wall_s']:.0f} s; logdir {logdir}")
     else:
-      cfg = _F.preference_config(sft_steps=steps)
       run_info.start_run(logdir, cfg, use_wandb=_F.wandb.value)
       s = pipeline.run_preference(data, cfg, logdir=logdir, stop_after="sft",
                                   placement=placement, log=runtime.primary_print)

@@ -237,6 +237,56 @@ def _np_dtype(dtype) -> np.dtype:
   return np.dtype(ml_dtypes.bfloat16) if dtype == jnp.bfloat16 else np.dtype(dtype)
 
 
+def _check_tensors(source: "_TensorSource", config: llm.LMConfig,
+                   hf_config: Mapping[str, Any]) -> None:
+  """Every tensor ``config.json`` implies is in ``source`` with its shape (safetensors headers
+  only; nothing is read). A reward-model folder needs ``score.weight [1, E]`` and no
+  ``lm_head.weight``.
+
+  Raises:
+    CheckpointError: naming the missing or misshapen tensor and both shapes.
+  """
+  reward_folder = is_reward_model_config(hf_config)
+  expected_shapes = [(n, shape) for tm in _tensor_maps(config, lm_head=not reward_folder)
+                     for n, shape in zip(tm.hf_names, tm.hf_shapes)]
+  if reward_folder:
+    if SCORE_TENSOR not in source:
+      raise CheckpointError(f"tensor {SCORE_TENSOR!r} is missing from {source.path} (needed "
+                            f"by config.json's architectures {hf_config['architectures']})")
+    expected = (1, config.hidden_size)
+    if source.shape(SCORE_TENSOR) != expected:
+      raise CheckpointError(
+          f"tensor {SCORE_TENSOR!r} in {source.path} has shape {source.shape(SCORE_TENSOR)}, "
+          f"expected {expected}: a reward model has one label (num_labels=1)")
+  for name, expected in expected_shapes:
+    if name not in source:
+      raise CheckpointError(
+          f"tensor {name!r} is missing from {source.path} (needed by config.json: "
+          f"model_type={config.model_type}, tie_word_embeddings={config.tie_word_embeddings})")
+    found = source.shape(name)
+    if found != expected:
+      raise CheckpointError(
+          f"tensor {name!r} in {source.path} has shape {found}, but config.json implies "
+          f"{expected}")
+
+
+def check_hf_checkpoint(path: str | os.PathLike) -> llm.LMConfig:
+  """Checks a checkpoint folder as :func:`load_hf_checkpoint` would, from ``config.json`` and
+  the safetensors headers alone (no tensor is read); returns its config.
+
+  Raises:
+    As :func:`load_hf_checkpoint`.
+  """
+  hf_config = read_hf_config(path)
+  config = llm.LMConfig.from_hf_config(hf_config)
+  source = _TensorSource(path)
+  try:
+    _check_tensors(source, config, hf_config)
+  finally:
+    source.close()
+  return config
+
+
 def load_hf_checkpoint(
     path: str | os.PathLike,
     *,
@@ -288,30 +338,13 @@ def load_hf_checkpoint(
   values: dict[Path, jax.Array] = {}
   score = None
   try:
+    _check_tensors(source, config, hf_config)
     if reward_folder:  # TRL's reward model format: score.weight [1, E], no lm_head
-      expected = (1, config.hidden_size)
-      if SCORE_TENSOR not in source:
-        raise CheckpointError(f"tensor {SCORE_TENSOR!r} is missing from {source.path} (needed "
-                              f"by config.json's architectures {hf_config['architectures']})")
-      if source.shape(SCORE_TENSOR) != expected:
-        raise CheckpointError(
-            f"tensor {SCORE_TENSOR!r} in {source.path} has shape {source.shape(SCORE_TENSOR)}, "
-            f"expected {expected}: a reward model has one label (num_labels=1)")
       score = source.get(SCORE_TENSOR)[0].astype(np.float32)
       if not config.tie_word_embeddings:
         values[("lm_head",)] = put(("lm_head",), np.zeros(
             variables[("lm_head",)].get_value().shape, param_dtype))
     for tm in _tensor_maps(config, lm_head=not reward_folder):
-      for name, expected in zip(tm.hf_names, tm.hf_shapes):
-        if name not in source:
-          raise CheckpointError(
-              f"tensor {name!r} is missing from {source.path} (needed by config.json: "
-              f"model_type={config.model_type}, tie_word_embeddings={config.tie_word_embeddings})")
-        found = source.shape(name)
-        if found != expected:
-          raise CheckpointError(
-              f"tensor {name!r} in {source.path} has shape {found}, but config.json implies "
-              f"{expected}")
       arr = tm.to_rljax(*(source.get(name) for name in tm.hf_names)).astype(param_dtype)
       values[tm.path] = put(tm.path, arr)
   finally:

@@ -99,7 +99,7 @@ def _cases(tmp_path, existing, hf=None):
   blocker = tmp_path / "a_file"
   blocker.write_text("x")
   e = f"--logdir={existing}"
-  n = f"--logdir={tmp_path}/fresh"  # the one-stage scripts refuse an existing run first
+  n = n_logdir(tmp_path)  # the one-stage scripts refuse an existing run first
   hf = hf or {}
   m = {k: f"--model={v}" for k, v in hf.items()}
   return {
@@ -242,6 +242,11 @@ CASES = ["unknown_algo", "logdir_not_writable", "malformed_json", "invalid_utf8"
          "model_without_data", "stage_script_existing_run"]
 
 
+def n_logdir(tmp_path) -> str:
+  """The fresh ``--logdir`` flag of the cases (``n`` in :func:`_cases`)."""
+  return f"--logdir={tmp_path}/fresh"
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_bad_input_exits_2_with_message_before_compiling(case, tmp_path, existing_run,
                                                          hf_models):
@@ -255,6 +260,8 @@ def test_bad_input_exits_2_with_message_before_compiling(case, tmp_path, existin
   assert "Traceback" not in out.stderr
   assert out.stderr.strip().splitlines()[-1].startswith("error: ")
   assert _snapshot(existing_run) == before  # nothing written over an existing run
+  if case.startswith(("model_", "reward_model_")) and n_logdir(tmp_path) in args:
+    assert not os.path.exists(tmp_path / "fresh")  # a bad model folder creates no logdir
 
 
 def test_sft_script_has_no_reward_model_flag(tmp_path):

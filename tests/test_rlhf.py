@@ -145,6 +145,16 @@ def test_kl_metric_is_the_k1_sum_per_response_whatever_the_estimator():
   assert abs(rec["kl_token"] - rec["kl"] / m.sum(-1).mean()) > 1e-6  # not k1 per token
 
 
+def test_console_kl_has_no_negative_zero():
+  """k1 at the reference is a few 1e-5 either side of 0: the console shows 0.000 for those,
+  and keeps the sign of anything that rounds away from 0."""
+  assert [pipeline.nats(x) for x in (-4e-5, 0.0, 3e-5, -6e-4, 1.2346)] == \
+      ["0.000", "0.000", "0.000", "-0.001", "1.235"]
+  rec = {"step": 3, "reward/mean": 0.5, "kl": -2e-5, "response_length/mean": 4.0,
+         "timing/step": 0.25}
+  assert pipeline.rl_step_line(rec) == "rl step    3: reward 0.500  kl 0.000  len 4.00  step 0.250s"
+
+
 def test_kl_in_loss_is_zero_at_the_reference():
   # A reward that differs within groups (sum of token ids), so the policy moves.
   by_length = lambda smp: np.asarray([sum(ids) for ids in smp.response_ids], np.float32)

@@ -105,13 +105,21 @@ def history_summary(history: Sequence[Mapping[str, float]], k: int) -> dict[str,
               summary_steps=min(k, len(history)))
 
 
+def nats(x: float) -> str:
+  """A KL value (nats) for the console: 3 decimals, with no ``-0.000``. The k1 estimate of a
+  policy still at the reference is a few 1e-5 either side of 0, and a minus sign there reads
+  as a bug (``-0.0006`` still shows as ``-0.001``)."""
+  text = f"{x:.3f}"
+  return "0.000" if text == "-0.000" else text
+
+
 def rl_step_line(record: Mapping[str, float]) -> str:
   """The console line of one RL step, the same for every pipeline and algorithm, e.g.
   ``rl step   20: reward 0.512  kl 0.031  entropy 1.204  len 3.10  step 0.412s`` (``kl`` is NaN
-  when not measured; ``entropy`` is left out of records without it)."""
+  when not measured, see :func:`nats`; ``entropy`` is left out of records without it)."""
   entropy = f"  entropy {record['entropy']:.3f}" if "entropy" in record else ""
   return (f"rl step {int(record['step']):4d}: reward {record['reward/mean']:.3f}  "
-          f"kl {record.get('kl', float('nan')):.3f}{entropy}  "
+          f"kl {nats(record.get('kl', float('nan')))}{entropy}  "
           f"len {record['response_length/mean']:.2f}  step {record['timing/step']:.3f}s")
 
 
@@ -215,6 +223,46 @@ def _hf_folder_config(path: str, flag: str, dtype: str) -> LMConfig:
     raise ValueError(f"{flag} {path!r}: {what}") from e
 
 
+def _reward_folder_config(path: str, dtype: str) -> LMConfig:
+  """:func:`_hf_folder_config` of a ``--reward_model`` folder, which must hold a trained head.
+
+  Raises:
+    FileNotFoundError, ValueError: as :func:`_hf_folder_config`; ValueError also for a folder
+      with neither a ``*ForSequenceClassification`` config nor ``rljax_heads.safetensors``.
+  """
+  from rljax.models import hf_io
+
+  lm_config = _hf_folder_config(path, "--reward_model", dtype)
+  if not (hf_io.is_reward_model_config(hf_io.read_hf_config(path))
+          or os.path.exists(os.path.join(path, hf_io.HEADS_FILE))):
+    raise ValueError(f"--reward_model {path!r} is not a trained reward model: its config.json "
+                     f"names no *ForSequenceClassification architecture and it has no "
+                     f"{hf_io.HEADS_FILE} (train_reward_model.py writes one in <logdir>/"
+                     f"{HF_MODEL_DIR})")
+  return lm_config
+
+
+def check_hf_folders(config: "PreferenceConfig") -> None:
+  """Checks ``config.model`` and ``config.reward_model`` (the folder, a readable and supported
+  ``config.json``, a trained reward head, every tensor's name and shape from the safetensors
+  headers) for the scripts, before they create the logdir, so a bad folder leaves nothing
+  behind. Tokenizers are checked when loaded.
+
+  Raises:
+    FileNotFoundError, ValueError: as :func:`load_pretrained` and :func:`load_reward_model`.
+  """
+  from rljax.models import hf_io
+
+  for flag, path in (("--model", config.model), ("--reward_model", config.reward_model)):
+    if path is None:
+      continue
+    if flag == "--model":
+      _hf_folder_config(path, flag, "float32")
+    else:
+      _reward_folder_config(path, "float32")
+    hf_io.check_hf_checkpoint(path)  # tensor names and shapes, from the headers
+
+
 def _load_hf_folder(path: str, lm_config: LMConfig, *, layout, seed: int, dtype: str) -> DecoderLM:
   """``hf_io.load_hf_checkpoint``, each tensor placed in ``layout``'s training sharding."""
   from rljax.models import hf_io
@@ -245,16 +293,9 @@ def load_reward_model(path: str, tokenizer, *, layout=None, seed: int = 0,
       ``rljax_heads.safetensors``), or another tokenizer (naming both folders' vocabularies).
     rljax.models.hf_io.CheckpointError: a missing or misshapen tensor (e.g. 2 labels).
   """
-  from rljax.models import hf_io
   from rljax.models.tokenizer import load_tokenizer
 
-  lm_config = _hf_folder_config(path, "--reward_model", dtype)
-  if not (hf_io.is_reward_model_config(hf_io.read_hf_config(path))
-          or os.path.exists(os.path.join(path, hf_io.HEADS_FILE))):
-    raise ValueError(f"--reward_model {path!r} is not a trained reward model: its config.json "
-                     f"names no *ForSequenceClassification architecture and it has no "
-                     f"{hf_io.HEADS_FILE} (train_reward_model.py writes one in <logdir>/"
-                     f"{HF_MODEL_DIR})")
+  lm_config = _reward_folder_config(path, dtype)
   if os.path.exists(os.path.join(path, "tokenizer.json")):
     own = load_tokenizer(path).backend.get_vocab()
     if own != tokenizer.backend.get_vocab():
