@@ -253,14 +253,12 @@ def check_hf_folders(config: "PreferenceConfig") -> None:
   """
   from rljax.models import hf_io
 
-  for flag, path in (("--model", config.model), ("--reward_model", config.reward_model)):
-    if path is None:
-      continue
-    if flag == "--model":
-      _hf_folder_config(path, flag, "float32")
-    else:
-      _reward_folder_config(path, "float32")
-    hf_io.check_hf_checkpoint(path)  # tensor names and shapes, from the headers
+  if config.model is not None:
+    _hf_folder_config(config.model, "--model", "float32")
+    hf_io.check_hf_checkpoint(config.model)  # tensor names and shapes, from the headers
+  if config.reward_model is not None:
+    _reward_folder_config(config.reward_model, "float32")
+    hf_io.check_hf_checkpoint(config.reward_model)
 
 
 def _load_hf_folder(path: str, lm_config: LMConfig, *, layout, seed: int, dtype: str) -> DecoderLM:
@@ -581,17 +579,16 @@ HF_MODEL_DIR = "hf_model"
 
 
 def export_hf_model(model: DecoderLM, logdir: str, *, tokenizer_dir: str | None,
-                    include_heads: bool = False, reward_model: bool = False, log=print) -> str:
+                    reward_model: bool = False, log=print) -> str:
   """Writes ``model`` to ``<logdir>/hf_model`` as a Hugging Face folder and returns its path.
 
   ``config.json``, ``model.safetensors`` and ``generation_config.json``
   (:func:`rljax.models.hf_io.save_hf_checkpoint`) with the tokenizer files of ``tokenizer_dir``
   (``tokenizer.json``, ``tokenizer_config.json``, ...), so ``transformers``'
-  ``AutoModelForCausalLM.from_pretrained`` and vLLM load it; ``include_heads`` adds the value and
-  reward heads as ``rljax_heads.safetensors`` (read by ``load_hf_checkpoint``);
-  ``reward_model`` writes TRL's reward-model format instead (``*ForSequenceClassification``
-  with ``score.weight``, and the heads file; ``hf_io.save_hf_checkpoint``). The folder is
-  written beside as ``hf_model.partial`` and then renamed, so a crash never leaves a
+  ``AutoModelForCausalLM.from_pretrained`` and vLLM load it; ``reward_model`` writes TRL's
+  reward-model format instead (``*ForSequenceClassification`` with ``score.weight``, and the
+  value and reward heads in ``rljax_heads.safetensors``; ``hf_io.save_hf_checkpoint``). The
+  folder is written beside as ``hf_model.partial`` and then renamed, so a crash never leaves a
   half-written ``hf_model``; an older one is replaced. Every process calls it; process 0 writes.
   """
   from rljax.models import hf_io
@@ -600,8 +597,8 @@ def export_hf_model(model: DecoderLM, logdir: str, *, tokenizer_dir: str | None,
   partial = path + ".partial"
   if runtime.is_primary() and os.path.exists(partial):
     shutil.rmtree(partial)
-  hf_io.save_hf_checkpoint(model, partial, include_heads=include_heads,
-                           copy_files_from=tokenizer_dir, reward_model=reward_model)
+  hf_io.save_hf_checkpoint(model, partial, copy_files_from=tokenizer_dir,
+                           reward_model=reward_model)
   if runtime.is_primary():
     if os.path.exists(path):
       shutil.rmtree(path)
