@@ -270,9 +270,9 @@ def _check_tensors(source: "_TensorSource", config: llm.LMConfig,
           f"{expected}")
 
 
-def check_hf_checkpoint(path: str | os.PathLike) -> llm.LMConfig:
+def check_hf_checkpoint(path: str | os.PathLike) -> None:
   """Checks a checkpoint folder as :func:`load_hf_checkpoint` would, from ``config.json`` and
-  the safetensors headers alone (no tensor is read); returns its config.
+  the safetensors headers alone (no tensor is read).
 
   Raises:
     As :func:`load_hf_checkpoint`.
@@ -284,7 +284,6 @@ def check_hf_checkpoint(path: str | os.PathLike) -> llm.LMConfig:
     _check_tensors(source, config, hf_config)
   finally:
     source.close()
-  return config
 
 
 def load_hf_checkpoint(

@@ -90,8 +90,9 @@ def kl_k3(log_probs: Array, ref_log_probs: Array) -> Array:
   Value: unbiased for ``KL(pi || pi_ref)`` (``E_pi[r] = 1``) with low variance while ``r``
   stays near 1: the right choice for KL *in the reward*. Its tail is heavy where the policy
   samples a token the reference finds far likelier (``r`` grows as ``exp``): ``log pi = -9.5``,
-  ``log pi_ref = -1.8`` gives 2,113 nats, so the trainer logs the k1 sum instead. As a loss term (GRPO's choice) its expected gradient is
-  ``grad KL(pi_ref || pi)``, the *reverse* KL: biased for ``KL(pi || pi_ref)``. The log-ratio
+  ``log pi_ref = -1.8`` gives 2,113 nats, so the trainer logs the k1 sum instead. As a loss
+  term (GRPO's choice) its expected gradient is ``grad KL(pi_ref || pi)``, the *reverse* KL:
+  biased for ``KL(pi || pi_ref)``. The log-ratio
   is clipped to ``[-20, 20]`` before ``exp`` so a token the reference finds impossible cannot
   overflow.
 

@@ -83,8 +83,7 @@ def test_gif_keeps_a_small_bright_body_and_one_palette(tmp_path):
   back = _gif_frames(path)
   assert back.shape == frames.shape
   err = np.abs(back.astype(int) - frames.astype(int))
-  assert err.max() <= 16, err.max()
-  assert err[:, 20:23].max() <= 16  # the square's rows
+  assert err.max() <= 16, err.max()  # every pixel, the square's included
   palettes = {bytes(im.getpalette()) for im in render._gif_images(frames)}
   assert len(palettes) == 1
 

@@ -846,12 +846,11 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
 
 
 def _held_out_record(rm_model: DecoderLM, pairs, tokenizer, buckets) -> dict[str, float]:
-  """A loaded reward model's held-out accuracy and 95% CI, keyed as the trained one's last
-  record (``rm/eval_accuracy``, ``rm/eval_accuracy_ci_low``, ``rm/eval_accuracy_ci_high``)."""
+  """A loaded reward model's held-out evaluation, keyed as the trained one's last record
+  (``rm/eval_accuracy`` and its 95% CI, ``rm/eval_loss``)."""
   gd, params = nnx.split(rm_model, nnx.Param)
-  r = rm_lib.evaluate(gd, params, pairs, pad_id=tokenizer.pad_token_id, length_buckets=buckets)
-  return {"rm/eval_accuracy": r.accuracy, "rm/eval_accuracy_ci_low": r.ci_low,
-          "rm/eval_accuracy_ci_high": r.ci_high}
+  return rm_lib.evaluate(gd, params, pairs, pad_id=tokenizer.pad_token_id,
+                         length_buckets=buckets).record()
 
 
 def normalize_reward_head(rm_model: DecoderLM, policy: DecoderLM, prompts, tokenizer, *,

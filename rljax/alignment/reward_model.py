@@ -87,6 +87,12 @@ class EvalResult(NamedTuple):
   loss: float
   num_pairs: int
 
+  def record(self, prefix: str = "rm/") -> dict[str, float]:
+    """The metrics record: ``{prefix}eval_accuracy``, ``..._ci_low``, ``..._ci_high``,
+    ``{prefix}eval_loss``."""
+    return {f"{prefix}eval_accuracy": self.accuracy, f"{prefix}eval_accuracy_ci_low": self.ci_low,
+            f"{prefix}eval_accuracy_ci_high": self.ci_high, f"{prefix}eval_loss": self.loss}
+
 
 def tokenize_pairs(pairs: Sequence[text_data.PreferencePair], tokenizer, *, max_prompt_len: int,
                    max_response_len: int) -> list[Pair]:
@@ -238,8 +244,7 @@ def train_reward_model(
       if step == config.num_steps and eval_pairs:
         ev = evaluate(graphdef, params, eval_pairs, pad_id=pad_id,
                       length_buckets=config.length_buckets, margin=config.margin)
-        rec.update({f"{prefix}eval_accuracy": ev.accuracy, f"{prefix}eval_accuracy_ci_low": ev.ci_low,
-                    f"{prefix}eval_accuracy_ci_high": ev.ci_high, f"{prefix}eval_loss": ev.loss})
+        rec.update(ev.record(prefix))
       history.append(dict(rec, step=step))
       if writer is not None:
         writer.write(step, rec)

@@ -21,7 +21,8 @@ Hu 2025 REINFORCE++ (arXiv:2501.03262); Yu et al. 2025 DAPO (arXiv:2503.14476).
 Metric names follow OpenRLHF/verl: ``reward/mean``, ``reward/std``, ``score/mean``, ``kl``
 (nats per response: the batch mean of ``sum_t (log pi - log pi_ref)`` over response tokens, the
 k1 estimate, as TRL's ``objective/kl``; also what the adaptive controller reads; ``kl_token`` is
-the configured estimator's per-token mean), ``entropy``, ``response_length/mean``, ``response_length/max``, ``pg_loss``, ``vf_loss``,
+the configured estimator's per-token mean), ``entropy``, ``response_length/mean``,
+``response_length/max``, ``pg_loss``, ``vf_loss``,
 ``clipfrac``, ``approx_kl``, ``grad_norm``, ``kl_coef``, ``timing/{reshard, generation, reference,
 reward, critic, update, step}``.
 """
