@@ -50,7 +50,7 @@ def main(argv):
     cfg = _F.preference_config(rm_steps=steps,
                                sft_steps=alignment_flags.checked(_SFT_STEPS, at_least=0),
                                rm_margin=alignment_flags.checked(_MARGIN, at_least=0))
-    pipeline.check_hf_folders(cfg)  # before the logdir exists
+    pipeline.check_inputs(cfg, data)  # before the logdir exists
     pipeline.check_stage_logdir(logdir, "train_reward_model.py")
     check_writable(logdir)
     run_info.start_run(logdir, cfg, use_wandb=_F.wandb.value)

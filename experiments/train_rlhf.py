@@ -214,7 +214,7 @@ def main(argv):
       rl = dataclasses.replace(base.rl, algo=_ALGO.value, group_size=group, **overrides)
       rl = with_ppo_flags(rl)
       config = _F.preference_config(rl=rl, **stage_overrides(data))
-      pipeline.check_hf_folders(config)  # before the logdir exists
+      pipeline.check_inputs(config, data)  # before the logdir exists
     pipeline.check_placement(placement, rl=config.rl,
                              batch_sizes={"batch_size": config.batch_size})  # before compiling
     check_writable(logdir)

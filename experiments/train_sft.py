@@ -44,7 +44,7 @@ def main(argv):
         cfg = dataclasses.replace(cfg, sft_steps=steps)
     else:
       cfg = _F.preference_config(sft_steps=steps)
-      pipeline.check_hf_folders(cfg)  # before the logdir exists
+      pipeline.check_inputs(cfg, data)  # before the logdir exists
     pipeline.check_stage_logdir(logdir, "train_sft.py")
     check_writable(logdir)
     runtime.enable_compilation_cache()

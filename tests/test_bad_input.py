@@ -107,20 +107,22 @@ def _cases(tmp_path, existing, hf=None):
                        "--algo 'grp' is not one of ppo, grpo, rloo, reinforce_pp; did you mean "
                        "'grpo'"),
       "logdir_not_writable": ("train_rlhf.py", [f"--logdir={blocker}/sub"], "is not writable"),
-      "malformed_json": ("train_rlhf.py", [f"--preference_data={bad_json}",
-                                            f"--logdir={tmp_path}/new"],
+      "malformed_json": ("train_rlhf.py", [f"--preference_data={bad_json}", n],
                          "bad.jsonl:2: malformed JSON"),
       "invalid_utf8": ("train_sft.py", [f"--preference_data={bad_utf8}", n],
                        "utf8.jsonl:2: invalid UTF-8"),
       "missing_rejected": ("train_reward_model.py", [f"--preference_data={no_rejected}", n],
                            "norej.jsonl:1: missing key 'rejected'"),
-      "empty_dataset": ("train_rlhf.py", [f"--preference_data={empty}",
-                                           f"--logdir={tmp_path}/new"],
+      "empty_dataset": ("train_rlhf.py", [f"--preference_data={empty}", n],
                         "empty.jsonl: empty dataset"),
-      "data_is_a_directory": ("train_rlhf.py", [f"--preference_data={tmp_path}",
-                                                 f"--logdir={tmp_path}/new"],
+      "data_is_a_directory": ("train_rlhf.py", [f"--preference_data={tmp_path}", n],
                               f"{tmp_path} is a directory; expected a .jsonl or .jsonl.gz file "
                               f"(it holds bad.jsonl, empty.jsonl, good.jsonl"),
+      # One pair is held out for the reward model's accuracy, which leaves none to train on.
+      "limit_leaves_no_training_pair": (
+          "train_sft.py", [f"--preference_data={good}", "--limit=1", n],
+          "1 preference pair(s) (--limit=1) leave no training pair after holding out 1 "
+          "(eval_fraction 0.1): read at least 2 (--limit >= 2)"),
       "limit_zero": ("train_sft.py", [f"--preference_data={good}", "--limit=0", n],
                      "limit (--limit, preference pairs to read) must be >= 1, got 0"),
       "missing_file": ("train_reward_model.py", [f"--preference_data={tmp_path}/nope.jsonl", n],
@@ -226,7 +228,7 @@ def _cases(tmp_path, existing, hf=None):
 
 
 CASES = ["unknown_algo", "logdir_not_writable", "malformed_json", "invalid_utf8",
-         "missing_rejected", "empty_dataset", "data_is_a_directory", "limit_zero",
+         "missing_rejected", "empty_dataset", "data_is_a_directory", "limit_leaves_no_training_pair", "limit_zero",
          "missing_file", "overlong_prompts_rejected", "tokenizer_exceeds_vocab", "config_mismatch", "config_mismatch_nested", "sft_steps_negative",
          "sft_num_steps_zero", "rm_num_steps_negative", "rlhf_num_steps_zero",
          "sft_pretrain_steps_negative", "rlhf_pretrain_steps_negative", "rm_sft_steps_negative",
@@ -260,8 +262,8 @@ def test_bad_input_exits_2_with_message_before_compiling(case, tmp_path, existin
   assert "Traceback" not in out.stderr
   assert out.stderr.strip().splitlines()[-1].startswith("error: ")
   assert _snapshot(existing_run) == before  # nothing written over an existing run
-  if case.startswith(("model_", "reward_model_")) and n_logdir(tmp_path) in args:
-    assert not os.path.exists(tmp_path / "fresh")  # a bad model folder creates no logdir
+  if n_logdir(tmp_path) in args:  # a bad data file or model folder creates no logdir
+    assert not os.path.exists(tmp_path / "fresh"), os.listdir(tmp_path / "fresh")
 
 
 def test_sft_script_has_no_reward_model_flag(tmp_path):

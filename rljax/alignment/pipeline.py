@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shutil
 import time
@@ -259,6 +260,41 @@ def check_hf_folders(config: "PreferenceConfig") -> None:
   if config.reward_model is not None:
     _reward_folder_config(config.reward_model, "float32")
     hf_io.check_hf_checkpoint(config.reward_model)
+
+
+def split_preference_pairs(pairs: Sequence[Any], config: "PreferenceConfig"
+                           ) -> tuple[list[Any], list[Any]]:
+  """``(train, held_out)``: :func:`rljax.alignment.reward_model.split_pairs` with the config's
+  ``eval_fraction`` and ``seed``.
+
+  Raises:
+    ValueError: no training pair is left (e.g. ``--limit=1``: its one pair is held out),
+      naming the smallest ``--limit`` that leaves one.
+  """
+  train, held = rm_lib.split_pairs(pairs, config.eval_fraction, config.seed)
+  if not train:
+    need = next((n for n in range(len(pairs) + 1, len(pairs) + 1000)
+                 if rm_lib.split_pairs(range(n), config.eval_fraction, 0)[0]), None)
+    hint = ("lower eval_fraction" if need is None else
+            f"read at least {need} (--limit >= {need})")
+    raise ValueError(f"{len(pairs)} preference pair(s) (--limit={config.limit}) leave no "
+                     f"training pair after holding out {len(held)} (eval_fraction "
+                     f"{config.eval_fraction}): {hint}")
+  return train, held
+
+
+def check_inputs(config: "PreferenceConfig", path: str) -> None:
+  """Everything the alignment scripts can check before they create the logdir, so a bad input
+  leaves nothing behind that would refuse the corrected command: the model folders
+  (:func:`check_hf_folders`), then the data file, read in full (about 1 s for HH-RLHF's 2,312
+  pairs), and its split (:func:`split_preference_pairs`).
+
+  Raises:
+    FileNotFoundError, rljax.envs.text.data.DataError: a missing or malformed data file.
+    ValueError: as :func:`check_hf_folders` and :func:`split_preference_pairs`.
+  """
+  check_hf_folders(config)
+  split_preference_pairs(text_data.load_preference_pairs(path, limit=config.limit), config)
 
 
 def _load_hf_folder(path: str, lm_config: LMConfig, *, layout, seed: int, dtype: str) -> DecoderLM:
@@ -574,6 +610,10 @@ def preference_defaults(model: str | None = None) -> PreferenceConfig:
   return dataclasses.replace(config, model=model, lr=lrs["lr"], rm_lr=lrs["rm_lr"], rl=rl)
 
 
+# Fewer held-out pairs than this get a note: the 95% CI of an accuracy measured on n pairs is
+# about +-1/sqrt(n) wide, +-0.2 at 30.
+MIN_HELD_OUT = 30
+
 # Where the preference pipeline writes its trained model in Hugging Face format.
 HF_MODEL_DIR = "hf_model"
 
@@ -683,7 +723,8 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
   Raises:
     FileNotFoundError / rljax.envs.text.data.DataError: for a missing or malformed file.
     rljax.sharding.mesh.MeshError: a batch the training mesh's data axes do not divide.
-    ValueError: overlong prompts with ``overlong_prompts="reject"``; a ``tokenizer`` larger
+    ValueError: no training pair after the held-out split (:func:`split_preference_pairs`);
+      overlong prompts with ``overlong_prompts="reject"``; a ``tokenizer`` larger
       than ``vocab_size``; a ``logdir`` holding another run (see :func:`run_embedded` for
       checkpoints and resume: here the frozen roles are the SFT model and the reward model);
       a bad ``model`` folder (:func:`load_pretrained`; checked first, before the ``logdir``).
@@ -710,8 +751,12 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
       logdir, "rlhf_preference", dict(checkpointing.config_to_json(config), data=os.path.abspath(path)),
       resume=resume, defaults=ckpt.dataclass_defaults(PreferenceConfig))
   layout = train_layout(placement)
-  train_pairs, held_pairs = rm_lib.split_pairs(pairs, config.eval_fraction, config.seed)
+  train_pairs, held_pairs = split_preference_pairs(pairs, config)
   log(f"{path}: {len(pairs)} pairs ({len(train_pairs)} train / {len(held_pairs)} held out)")
+  if 0 < len(held_pairs) < MIN_HELD_OUT:
+    log(f"note: {len(held_pairs)} held-out pair(s) measure the reward model's accuracy only "
+        f"roughly (see its 95% CI); {MIN_HELD_OUT} or more need about "
+        f"{math.ceil(MIN_HELD_OUT / config.eval_fraction)} pairs (--limit)")
   texts = [p.prompt + " " + p.chosen for p in train_pairs] + [p.rejected for p in train_pairs]
   from rljax.models.tokenizer import load_tokenizer
 
