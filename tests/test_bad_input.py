@@ -530,3 +530,42 @@ def test_stage_flag_check_names_the_flag_and_its_bound():
     alignment_flags.checked(lr, above=0)
   fv(["prog", "--lr=2e-5"])
   assert alignment_flags.checked(lr, above=0) == 2e-5
+
+
+def test_sft_lr_flag_sets_the_sft_learning_rate():
+  """``--sft_lr`` (rljax.alignment.flags.DataFlags) sets SFT's rate; without it SFT runs at
+  ``--lr / 2`` (1e-3 from scratch, 5e-6 with ``--model``: OpenRLHF's). ``--lr`` beside both
+  ``--model`` and ``--sft_lr`` would set nothing, so it is refused."""
+  from absl import flags as absl_flags
+
+  from rljax.alignment import flags as alignment_flags
+  from rljax.alignment import pipeline
+
+  fv = absl_flags.FlagValues()
+  holders = {name: absl_flags.DEFINE_string(name, None, "", flag_values=fv)
+             for name in ("tokenizer", "model")}
+  holders.update({name: absl_flags.DEFINE_integer(name, None, "", flag_values=fv)
+                  for name in ("max_prompt_len", "vocab_size")})
+  holders.update({name: absl_flags.DEFINE_float(name, None, "", flag_values=fv)
+                  for name in ("lr", "sft_lr", "rm_lr")})
+  holders["overlong_prompts"] = absl_flags.DEFINE_string("overlong_prompts", "truncate", "",
+                                                         flag_values=fv)
+  data_flags = alignment_flags.DataFlags(**holders)
+
+  def config(*argv):
+    fv.unparse_flags()
+    fv(["prog", *argv])
+    base = pipeline.preference_defaults(fv["model"].value)
+    return dataclasses.replace(base, **data_flags.overrides())
+
+  assert config().sft_learning_rate == 1e-3
+  assert config("--lr=4e-3").sft_learning_rate == 2e-3
+  assert config("--lr=4e-3", "--sft_lr=3e-4").sft_learning_rate == 3e-4
+  assert config("--model=m").sft_learning_rate == 5e-6
+  assert config("--model=m", "--sft_lr=2e-5").sft_learning_rate == 2e-5
+  with pytest.raises(ValueError, match=r"^--sft_lr must be > 0, got -1.0$"):
+    config("--sft_lr=-1")
+  with pytest.raises(ValueError, match=r"^--lr=1e-05 would set nothing: it is the pre-training "
+                                       r"learning rate, --model skips pre-training, and "
+                                       r"--sft_lr=2e-05 sets SFT's; drop --lr$"):
+    config("--model=m", "--lr=1e-5", "--sft_lr=2e-5")

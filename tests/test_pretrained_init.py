@@ -175,14 +175,17 @@ def test_sft_stage_exports_the_trained_model_for_transformers(tmp_path, monkeypa
   trained = []
   real_train_sft = pipeline.sft.train_sft
 
+  rates = []
+
   def keep_model(*args, **kw):
     out = real_train_sft(*args, **kw)
     trained.append(out[0])
+    rates.append(args[2].learning_rate)
     return out
 
   monkeypatch.setattr(pipeline.sft, "train_sft", keep_model)
   cfg = dataclasses.replace(pipeline.PreferenceConfig(), vocab_size=300, pretrain_steps=2,
-                            sft_steps=2, hidden_size=32, num_layers=1)
+                            sft_steps=2, hidden_size=32, num_layers=1, sft_lr=7e-4)
   logdir = str(tmp_path / "run")
   logged = []
   s = pipeline.run_preference(str(path), cfg, logdir=logdir, stop_after="sft",
@@ -190,6 +193,7 @@ def test_sft_stage_exports_the_trained_model_for_transformers(tmp_path, monkeypa
   # 12 pairs hold out round(0.1 * 12) = 1, under MIN_HELD_OUT (30 = 0.1 * 300 pairs): noted.
   assert ("note: 1 held-out pair(s) measure the reward model's accuracy only roughly (see its "
           "95% CI); 30 or more need about 300 pairs (--limit)") in logged, logged
+  assert rates == [2e-3, 7e-4]  # pre-training at lr, then SFT at sft_lr (not lr / 2)
   assert s["hf_model"] == os.path.join(logdir, "hf_model")
   assert not os.path.exists(s["hf_model"] + ".partial")
   text = "Human: What is two plus two? Assistant:"

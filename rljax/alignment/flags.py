@@ -59,6 +59,7 @@ class DataFlags:
   vocab_size: Any
   model: Any
   lr: Any
+  sft_lr: Any
   rm_lr: Any  # None where the script trains no reward model (train_sft.py)
 
   def _given(self, name: str):
@@ -71,18 +72,24 @@ class DataFlags:
 
     Raises:
       ValueError: ``--model`` with ``--tokenizer`` or ``--vocab_size`` (both come from the
-        model folder); ``--lr`` or ``--rm_lr`` not > 0.
+        model folder); ``--lr``, ``--sft_lr`` or ``--rm_lr`` not > 0; ``--lr`` with both
+        ``--model`` and ``--sft_lr`` (it would set nothing: ``--model`` skips pre-training).
     """
     if self.model.value is not None:
       for name in ("tokenizer", "vocab_size"):
         if getattr(self, name).value is not None:
           raise ValueError(f"--{name} cannot be combined with --model: the tokenizer and the "
                            f"vocabulary come from the model folder {self.model.value!r}")
+      if self.lr.value is not None and self.sft_lr.value is not None:
+        raise ValueError(f"--lr={self.lr.value} would set nothing: it is the pre-training "
+                         f"learning rate, --model skips pre-training, and --sft_lr="
+                         f"{self.sft_lr.value} sets SFT's; drop --lr")
     out = {"overlong_prompts": self.overlong_prompts.value}
-    for key in ("max_prompt_len", "tokenizer", "vocab_size", "model", "lr", "rm_lr"):
+    rates = ("lr", "sft_lr", "rm_lr")
+    for key in ("max_prompt_len", "tokenizer", "vocab_size", "model", *rates):
       holder = getattr(self, key)
       value = None if holder is None else (
-          checked(holder, above=0) if key in ("lr", "rm_lr") else holder.value)
+          checked(holder, above=0) if key in rates else holder.value)
       if value is not None:
         out[key] = value
     return out
@@ -95,12 +102,13 @@ class DataFlags:
     return pipeline.preference_defaults(self.model.value)
 
   def check_data(self, preference_data: str | None) -> None:
-    """Raises ValueError for ``--model``, ``--lr`` or ``--rm_lr`` without ``--preference_data``
-    (the embedded task trains its own tiny model, so they would be silently ignored)."""
+    """Raises ValueError for ``--model``, ``--lr``, ``--sft_lr`` or ``--rm_lr`` without
+    ``--preference_data`` (the embedded task trains its own tiny model, so they would be
+    silently ignored)."""
     if self.model.value is not None and preference_data is None:
       raise ValueError(f"--model {self.model.value!r} needs --preference_data=PATH (the "
                        f"embedded addition task trains its own tiny model)")
-    for name in ("lr", "rm_lr"):
+    for name in ("lr", "sft_lr", "rm_lr"):
       if self._given(name) is not None and preference_data is None:
         raise ValueError(f"--{name} applies to --preference_data runs only (the embedded "
                          f"addition task keeps its own learning rates)")
@@ -108,7 +116,7 @@ class DataFlags:
 
 def define_data_flags(*, reward_model: bool = True) -> DataFlags:
   """``--max_prompt_len``, ``--overlong_prompts``, ``--tokenizer``, ``--vocab_size``, ``--model``,
-  ``--lr``, and ``--rm_lr`` where ``reward_model`` (the script trains a reward model; not
+  ``--lr``, ``--sft_lr``, and ``--rm_lr`` where ``reward_model`` (the script trains a reward model; not
   ``train_sft.py``, whose ``--help`` then does not list it and absl rejects it as unknown)."""
   return DataFlags(
       max_prompt_len=flags.DEFINE_integer(
@@ -130,7 +138,10 @@ def define_data_flags(*, reward_model: bool = True) -> DataFlags:
           "PRETRAINED_LEARNING_RATES: SFT 5e-6, reward model 9e-6, actor 5e-7, critic 9e-6)."),
       lr=flags.DEFINE_float(
           "lr", None, "--preference_data: pre-training learning rate; SFT runs at half of it "
-          "(default 2e-3 from scratch, 1e-5 with --model)."),
+          "unless --sft_lr is given (default 2e-3 from scratch, 1e-5 with --model)."),
+      sft_lr=flags.DEFINE_float(
+          "sft_lr", None, "--preference_data: SFT learning rate (default --lr / 2: 1e-3 from "
+          "scratch, 5e-6 with --model, OpenRLHF's for pretrained models)."),
       rm_lr=flags.DEFINE_float(
           "rm_lr", None, "--preference_data: reward-model learning rate (default 5e-4 from "
           "scratch, 9e-6 with --model).") if reward_model else None,

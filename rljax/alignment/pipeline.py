@@ -492,9 +492,11 @@ class PreferenceConfig:
     max_prompt_len, max_response_len: token truncation (prompt keeps its end).
     pretrain_steps, sft_steps, rm_steps: steps of each stage.
     batch_size: SFT/pre-training batch; ``rm_batch_size``: pairs per RM step.
-    lr, rm_lr: learning rates: pre-training at ``lr``, SFT at ``lr / 2``, the reward model at
-      ``rm_lr``. Tuned for the tiny model trained from scratch; :func:`preference_defaults`
-      gives the lower ones for a pretrained ``model``.
+    lr, rm_lr: learning rates: pre-training at ``lr``, SFT at ``lr / 2`` (unless ``sft_lr``),
+      the reward model at ``rm_lr``. Tuned for the tiny model trained from scratch;
+      :func:`preference_defaults` gives the lower ones for a pretrained ``model``.
+    sft_lr: SFT's learning rate; None (default) means ``lr / 2``. With a ``model`` (no
+      pre-training) this is the one rate SFT uses, as OpenRLHF's ``train_sft --learning_rate``.
     rm_margin: Bradley-Terry margin (>= 0).
     eval_fraction: reward-model held-out fraction.
     packing: pack pre-training/SFT examples into rows of ``2 * (max_prompt_len +
@@ -548,6 +550,7 @@ class PreferenceConfig:
   rm_batch_size: int = 32
   lr: float = 2e-3
   rm_lr: float = 5e-4
+  sft_lr: float | None = None
   rm_margin: float = 0.0
   eval_fraction: float = 0.1
   packing: bool = True
@@ -585,9 +588,15 @@ class PreferenceConfig:
     if self.limit is not None and self.limit < 1:
       raise ValueError(f"limit (--limit, preference pairs to read) must be >= 1, got "
                        f"{self.limit}.")
-    for name in ("lr", "rm_lr"):
-      if not getattr(self, name) > 0:  # also refuses NaN
-        raise ValueError(f"{name} must be > 0, got {getattr(self, name)}.")
+    for name in ("lr", "rm_lr", "sft_lr"):
+      value = getattr(self, name)
+      if value is not None and not value > 0:  # also refuses NaN
+        raise ValueError(f"{name} must be > 0, got {value}.")
+
+  @property
+  def sft_learning_rate(self) -> float:
+    """SFT's learning rate: ``sft_lr``, or ``lr / 2`` when that is None."""
+    return self.lr / 2 if self.sft_lr is None else self.sft_lr
 
 
 # Learning rates for a pretrained ``--model``, from OpenRLHF's example scripts for 1-8B models:
@@ -821,7 +830,8 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
   sft_loss = float("nan")
   if config.sft_steps:
     model, _, h = sft.train_sft(model, sft_data, sft.SFTConfig(
-        num_steps=config.sft_steps, batch_size=config.batch_size, learning_rate=config.lr / 2,
+        num_steps=config.sft_steps, batch_size=config.batch_size,
+        learning_rate=config.sft_learning_rate,
         length_buckets=buckets, log_every=50, seed=config.seed, packing=config.packing,
         pack_length=2 * max_len), pad_id=tok.pad_token_id,
         writer=writer, prefix="sft/", layout=layout)
