@@ -140,9 +140,15 @@ def test_preference_sigkill_then_resume_is_bitwise_exact(setup, tmp_path):
   # The same command on the finished run trains nothing and keeps its Hugging Face folder.
   weights = os.path.join(ref, "hf_model", "model.safetensors")
   before = os.stat(weights)
+  with open(os.path.join(ref, "summary.json"), "rb") as f:
+    summary_bytes = f.read()
   out = subprocess.run(_cmd(data, ref, cache), capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   assert f"has finished all {LAST_STEP} RL steps: nothing left to train" in out.stdout
   assert f"kept {os.path.join(ref, 'hf_model')}" in out.stdout, out.stdout[-2000:]
   after = os.stat(weights)
   assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+  # summary.json keeps the training run's stage times (the re-run's own are a few seconds).
+  with open(os.path.join(ref, "summary.json"), "rb") as f:
+    assert f.read() == summary_bytes
+  assert f"wall {json.loads(summary_bytes)['wall_s']:.0f} s; logdir {ref}" in out.stdout

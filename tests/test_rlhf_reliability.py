@@ -1,6 +1,7 @@
 """RLHF trainer reliability: exact resume after SIGKILL/SIGTERM, truncated checkpoints,
 determinism (rljax/alignment/checkpointing.py, experiments/train_rlhf.py)."""
 
+import json
 import os
 import random
 import shutil
@@ -131,6 +132,8 @@ def test_finished_run_resumes_to_nothing_left_to_train(reference_run, cache, tmp
   """The same command on a finished run says so, trains nothing and changes no result."""
   logdir = str(tmp_path / "run")
   shutil.copytree(reference_run, logdir)
+  kept = {name: open(os.path.join(logdir, name), "rb").read()
+          for name in ("summary.json", "metrics.jsonl")}
   out = subprocess.run(_cmd(logdir, cache), capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   said = out.stdout + out.stderr
@@ -138,6 +141,12 @@ def test_finished_run_resumes_to_nothing_left_to_train(reference_run, cache, tmp
   assert "resuming" not in said
   _assert_items_equal(_final_items(logdir), _final_items(reference_run))
   assert _rl_records(logdir) == _rl_records(reference_run)
+  # Nothing is evaluated or logged again, and summary.json keeps the training run's times,
+  # which the summary line prints again.
+  for name, data in kept.items():
+    assert open(os.path.join(logdir, name), "rb").read() == data, name
+  wall = json.loads(kept["summary.json"])["wall_s"]
+  assert f"wall {wall:.0f} s; logdir {logdir}" in out.stdout, out.stdout[-1000:]
 
 
 @pytest.mark.slow

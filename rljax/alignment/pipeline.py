@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import shutil
@@ -135,6 +136,22 @@ def write_summary(logdir: str | None, summary: Mapping[str, Any]) -> None:
   if logdir is not None and runtime.is_primary():
     ckpt.write_json_atomic(os.path.join(logdir, "summary.json"),
                            {k: v for k, v in summary.items() if k != "history"})
+
+
+def finished_summary(logdir: str | None, resumed_from: int | None, num_steps: int,
+                     history: Sequence[Mapping[str, float]]) -> dict[str, Any] | None:
+  """The saved ``<logdir>/summary.json`` when this call resumed a run that had already finished
+  (``resumed_from == num_steps``: nothing was trained), with this call's ``history`` and
+  ``resumed_from``; None otherwise (or when the file is missing). The file is left as the
+  run wrote it, so its stage and wall times stay the training run's, not the re-run's."""
+  if logdir is None or resumed_from != num_steps:
+    return None
+  path = os.path.join(logdir, "summary.json")
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    saved = json.load(f)
+  return dict(saved, history=list(history), resumed_from=resumed_from)
 
 
 def default_rl_config(algo: str, **overrides) -> rlhf.RLHFConfig:
@@ -380,7 +397,9 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
   With a ``logdir`` the RL stage checkpoints every ``checkpoint_every`` steps (keeping
   ``keep_checkpoints``) and, with ``resume``, continues a run found there: the SFT model
   (the frozen reference and the actor's start) is loaded from ``<logdir>/frozen`` instead of
-  being trained again (:mod:`rljax.alignment.checkpointing`). ``sigterm``: an installed
+  being trained again (:mod:`rljax.alignment.checkpointing`); on a finished run it trains,
+  evaluates and logs nothing and returns the saved ``summary.json`` (:func:`finished_summary`).
+  A resumed run's ``wall_s`` and ``rl_s`` count its own process. ``sigterm``: an installed
   :class:`rljax.checkpoint.SigtermFlag` (see ``checkpointing.train``). ``placement``: from
   :func:`make_placement`; pre-training and SFT run in the actor's training layout, RL with every
   role placed (batches checked against the data axes first, :func:`check_placement`).
@@ -465,6 +484,10 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
       history = checkpointing.rl_history(writer.jsonl_path, history)
   else:
     history = trainer.train(writer=writer, callback=show)
+  saved = finished_summary(logdir, resumed_from, config.rl.num_steps, history)
+  if saved is not None:  # a finished run: nothing trained, so nothing to measure or log again
+    writer.close()
+    return saved
   t_rl = time.perf_counter()
   acc_after = greedy_accuracy(trainer.actor_model(), tok, eval_prompts,
                               max_new_tokens=config.rl.max_new_tokens)
@@ -727,7 +750,8 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
   Summary times (s): ``pretrain_s`` from the start to the end of pre-training (the ``model``
   load, reading the data, the tokenizer and pre-training), then ``sft_s``, ``rm_s``, ``rl_s``,
   and ``wall_s`` for all; a run resumed from an older checkpoint without ``pretrain_s`` reports
-  0 there. Re-running a finished run trains nothing and keeps its ``hf_model``.
+  0 there. Re-running a finished run trains nothing, keeps its ``hf_model`` and
+  ``summary.json``, and returns that summary (:func:`finished_summary`).
 
   Raises:
     FileNotFoundError / rljax.envs.text.data.DataError: for a missing or malformed file.
@@ -989,6 +1013,9 @@ def _preference_rl(config: PreferenceConfig, tok, prompts, model, rm_model, meta
     hf_model = os.path.join(logdir, HF_MODEL_DIR)
     if resumed_from == config.rl.num_steps and os.path.isdir(hf_model):
       log(f"kept {hf_model}: the finished run exported it")  # nothing trained here
+      saved = finished_summary(logdir, resumed_from, config.rl.num_steps, history)
+      if saved is not None:
+        return saved
     else:
       hf_model = export_hf_model(trainer.actor_model(), logdir, tokenizer_dir=tokenizer_dir,
                                  log=log)
