@@ -86,11 +86,19 @@ class MetricsWriter:
     self._console_keys = tuple(console_keys)
     self._progress = 0
 
-  def write(self, step: int, metrics: Mapping[str, Any], *, progress: int | None = None) -> None:
-    """Records ``metrics`` at ``step``; ``progress`` (absolute) advances the bar."""
+  def write(self, step: int, metrics: Mapping[str, Any], *, progress: int | None = None,
+            stage: str | None = None) -> None:
+    """Records ``metrics`` at ``step``; ``progress`` (absolute) advances the bar.
+
+    ``stage`` (e.g. ``"sft"``, ``"rm"``, ``"rl"``) goes into the JSONL record after ``step``,
+    for runs whose stages each count steps from 1 into one file; TensorBoard and W&B tell
+    them apart by the metric names' prefixes (``sft/loss``) and do not get it.
+    """
     if not self.primary:
       return
     record = {"step": int(step)}
+    if stage is not None:
+      record["stage"] = str(stage)
     for k, v in metrics.items():
       f = _to_float(v)
       record[k] = f if math.isfinite(f) else str(f)
@@ -101,7 +109,8 @@ class MetricsWriter:
         if k != "step" and isinstance(v, float):
           self._tb.add_scalar(k, v, global_step=int(step))
     if self._wandb is not None:
-      self._wandb.log({k: (float(v) if isinstance(v, str) else v) for k, v in record.items()})
+      self._wandb.log({k: (float(v) if isinstance(v, str) else v) for k, v in record.items()
+                       if k != "stage"})
     if self._bar is not None:
       if progress is not None and progress > self._progress:
         self._bar.update(progress - self._progress)

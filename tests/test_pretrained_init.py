@@ -194,6 +194,12 @@ def test_sft_stage_exports_the_trained_model_for_transformers(tmp_path, monkeypa
   assert ("note: 1 held-out pair(s) measure the reward model's accuracy only roughly (see its "
           "95% CI); 30 or more need about 300 pairs (--limit)") in logged, logged
   assert rates == [2e-3, 7e-4]  # pre-training at lr, then SFT at sft_lr (not lr / 2)
+  # Both stages count steps from 1 into one metrics.jsonl; each record names its stage.
+  from rljax.metrics import read_jsonl
+
+  records = read_jsonl(os.path.join(logdir, "metrics.jsonl"))
+  assert [(r["stage"], r["step"]) for r in records] == [("pretrain", 2), ("sft", 2)]
+  assert all(k.startswith(r["stage"] + "/") for r in records for k in r if "/" in k)
   assert s["hf_model"] == os.path.join(logdir, "hf_model")
   assert not os.path.exists(s["hf_model"] + ".partial")
   text = "Human: What is two plus two? Assistant:"

@@ -166,7 +166,8 @@ def test_wandb_offline_run_receives_metrics_writer_records(tmp_path):
     assert metrics.active_wandb_run() is run
     with metrics.MetricsWriter(logdir) as w:  # mirrors to the active run by default
       for step in range(3):
-        w.write(step, {"loss": 1.0 / (step + 1), "bad": float("nan")})
+        w.write(step, {"loss": 1.0 / (step + 1), "bad": float("nan")},
+                stage="sft" if step == 2 else None)
     with metrics.MetricsWriter(logdir, wandb=False) as w:  # opted out
       w.write(10, {"loss": 123.0})
   finally:
@@ -178,6 +179,11 @@ def test_wandb_offline_run_receives_metrics_writer_records(tmp_path):
   assert [h["loss"] for h in history] == [1.0, 0.5, 1.0 / 3.0]
   assert all(h["bad"] == "NaN" or h["bad"] != h["bad"] for h in history)  # NaN survives
   assert config["lr"] == 0.5 and config["env"] == "x"
+  # The stage goes to metrics.jsonl only (W&B and TensorBoard tell stages by metric names).
+  records = metrics.read_jsonl(os.path.join(logdir, "metrics.jsonl"))
+  assert [r.get("stage") for r in records] == [None, None, "sft", None]
+  assert list(records[2])[:2] == ["step", "stage"]
+  assert all("stage" not in h for h in history)
 
 
 # -- train_control.py: --algo, bad flags -----------------------------------------------------

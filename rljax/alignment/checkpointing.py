@@ -287,7 +287,8 @@ def train(trainer: rlhf.RLHFTrainer, logdir: str, *, checkpoint_every: int = 10,
       rec["step"] = step
       history.append(rec)
       if writer is not None:
-        writer.write(step, {k: v for k, v in rec.items() if k != "step"}, progress=step)
+        writer.write(step, {k: v for k, v in rec.items() if k != "step"}, progress=step,
+                     stage="rl")
       if step % checkpoint_every == 0 or step == num_steps:
         save()
       if callback is not None:
@@ -314,7 +315,8 @@ def load_state_items(logdir: str, step: int | None = None) -> tuple[int, dict, d
 
 def rl_history(jsonl_path: str, fallback: list[dict[str, Any]] | None = None
                ) -> list[dict[str, Any]]:
-  """The RL records of a run's ``metrics.jsonl`` (those with ``reward/mean``), in order.
+  """The RL records of a run's ``metrics.jsonl`` (those with ``reward/mean``), in order, as
+  the trainer returns them (without the file's ``stage`` field).
 
   Only process 0 writes the file; on other processes (which may not share the file system)
   ``fallback`` (e.g. the records of the steps run here) is returned instead.
@@ -323,4 +325,5 @@ def rl_history(jsonl_path: str, fallback: list[dict[str, Any]] | None = None
 
   if not runtime.is_primary():
     return list(fallback or [])
-  return [r for r in metrics_lib.read_jsonl(jsonl_path) if _RL_KEY in r]
+  return [{k: v for k, v in r.items() if k != "stage"}
+          for r in metrics_lib.read_jsonl(jsonl_path) if _RL_KEY in r]

@@ -461,7 +461,7 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
     log(f"greedy exact-match accuracy after SFT: {acc_before:.3f}")
   if stop_after == "sft":
     if writer is not None:
-      writer.write(config.sft_steps, {"eval/accuracy": acc_before})
+      writer.write(config.sft_steps, {"eval/accuracy": acc_before}, stage="sft")
       writer.close()
     return dict(accuracy_before=acc_before, wall_s=time.perf_counter() - t0,
                 pretrain_s=t_pre - t0, sft_s=t_sft - t_pre)
@@ -495,7 +495,7 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
     log(f"greedy exact-match accuracy after RL: {acc_after:.3f}")
   if writer is not None:
     writer.write(config.rl.num_steps, {"eval/accuracy_before": acc_before,
-                                       "eval/accuracy_after": acc_after})
+                                       "eval/accuracy_after": acc_after}, stage="rl")
     writer.close()
   summary = dict(
       accuracy_before=acc_before, accuracy_after=acc_after, **history_summary(history, 10),
@@ -910,7 +910,7 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
                                       max_new_tokens=config.rl.max_new_tokens, seed=config.seed)
     log(f"reward model normalised on {n} SFT samples: raw score mean {mean:.3f}, std {std:.3f}")
     if writer is not None:
-      writer.write(config.rm_steps, {"rm/norm_mean": mean, "rm/norm_std": std})
+      writer.write(config.rm_steps, {"rm/norm_mean": mean, "rm/norm_std": std}, stage="rm")
   meta = {"rm/eval_accuracy": ev["rm/eval_accuracy"],
           "rm/eval_accuracy_ci_low": ev["rm/eval_accuracy_ci_low"],
           "rm/eval_accuracy_ci_high": ev["rm/eval_accuracy_ci_high"], "rm_heldout": len(ho),

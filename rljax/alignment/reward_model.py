@@ -247,7 +247,7 @@ def train_reward_model(
         rec.update(ev.record(prefix))
       history.append(dict(rec, step=step))
       if writer is not None:
-        writer.write(step, rec)
+        writer.write(step, rec, stage=prefix.strip("/") or None)
       acc_loss = acc_acc = 0.0
       n_acc = 0
   nnx.update(model, params)

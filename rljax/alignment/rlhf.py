@@ -753,7 +753,7 @@ class RLHFTrainer:
       if writer is not None and (self.state.step % log_every == 0
                                  or self.state.step == self.config.num_steps):
         writer.write(self.state.step, {k: v for k, v in rec.items() if k != "step"},
-                     progress=self.state.step)
+                     progress=self.state.step, stage="rl")
       if callback is not None:
         callback(rec)
     return history

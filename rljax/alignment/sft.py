@@ -351,7 +351,7 @@ def train_sft(
              f"{prefix}wall_s": time.perf_counter() - t0}
       history.append(dict(rec, step=step))
       if writer is not None:
-        writer.write(step, rec)
+        writer.write(step, rec, stage=prefix.strip("/") or None)
       acc = dict(loss=0.0, n=0, pad=0.0)
   nnx.update(model, params)
   return model, SFTState(params, opt_state, step, pos), history
