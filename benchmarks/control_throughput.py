@@ -46,7 +46,7 @@ _GAE_PER_MINIBATCH = flags.DEFINE_bool(
     "gae_per_minibatch", False,
     "The identical-settings rljax run computes GAE inside each minibatch's loss, as Brax does "
     "(ControlConfig.gae_per_minibatch), instead of once per iteration before the update "
-    "(rljax's default). Off: it was 2-3% faster and learnt less (benchmarks/README.md, "
+    "(rljax's default). Off: it was 2-3% faster and learnt less (benchmarks/HISTORY.md, "
     "stop 28).")
 _DEFAULT_TIMESTEPS = flags.DEFINE_integer(
     "default_num_timesteps", None,
@@ -123,7 +123,7 @@ def rljax_config_from(env: str, s: dict, episode_length: int, gae_per_minibatch:
       obs_stats_before_update=True,
       # Brax computes GAE inside each minibatch's loss from the value forward the loss
       # makes, with the value network as that step finds it (no separate value pass);
-      # rljax's own order unless asked (2-3% faster, learnt less: benchmarks/README.md).
+      # rljax's own order unless asked (2-3% faster, learnt less: benchmarks/HISTORY.md, stop 28).
       gae_per_minibatch=gae_per_minibatch,
       num_evals=s["num_evals"],
       num_eval_envs=s["num_eval_envs"],

@@ -18,8 +18,8 @@ Each segment is one more loop body to compile, and while a cache grows the old a
 are both alive: the decode's peak cache memory is up to ``1 + e_{n-1} / e_n`` times one full
 cache (1.75x with 4 segments; XLA's measured temporaries, at ``R = 512``: 265 MB of cache and
 its copies against 152 MB for one loop). So the automatic setting segments on CPU only, where
-long responses run 16-23% faster (``benchmarks/README.md``) and memory is host RAM; on GPU/TPU,
-where the cache is what limits the batch and the gain was not measured, it is one loop.
+long responses run 16-23% faster (``benchmarks/HISTORY.md``, stop 32) and memory is host RAM; on
+GPU/TPU, where the cache is what limits the batch and the gain was not measured, it is one loop.
 
 Shapes are static: prompt lengths and batch sizes are rounded up to buckets
 (:class:`SamplingConfig`), so a training run compiles each (batch bucket, prompt bucket) pair

@@ -215,7 +215,7 @@ def test_cartpole_balance_learns():
   most of the 1000-step episode, which random or passive policies never do.
   """
   # The default's length (4M steps), in two chunks. The policy learns to balance in a jump
-  # after 2.3-3.2M steps (benchmarks/README.md, stop 24), so a shorter run is not a test of
+  # after 2.3-3.2M steps (benchmarks/HISTORY.md, stop 24), so a shorter run is not a test of
   # learning: at 2M steps an AMD EPYC Zen 1 read 366 -> 300 -> 906, but a Zen 4 (AVX-512,
   # other float rounding) read 366 -> 280 -> 279 (stop 30).
   config = default_config("playground/CartpoleBalance").replace(num_evals=3)

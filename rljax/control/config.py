@@ -56,7 +56,7 @@ class ControlConfig:
       from 1 by the normaliser's change. ``False`` (default) folds them in after the update.
       Brax's order raised CheetahRun's final eval reward at Brax's settings and lowered
       CheetahRun's and CartpoleBalance's at rljax's default settings (README,
-      ``benchmarks/README.md``, stop 22); the default also keeps the first minibatch's
+      ``benchmarks/HISTORY.md``, stop 22); the default also keeps the first minibatch's
       ratios at exactly 1.
     normalize_advantages: whiten advantages per minibatch.
     policy_hidden / value_hidden / activation: network sizes.
@@ -253,7 +253,7 @@ class ControlConfig:
 
 
 # Per-environment defaults: what `experiments/train_control.py --env=NAME` uses before
-# flags override it. Tuned on a 2-core CPU; see benchmarks/README.md.
+# flags override it. Tuned on a 2-core CPU; see benchmarks/HISTORY.md.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "playground/CartpoleBalance": dict(
         num_timesteps=4_000_000,
@@ -264,7 +264,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         learning_rate=1e-3,
         # Constant, not linear decay: over seeds 0-11 every run ended at 994-1000 (mean 998),
         # against 474-1000 (mean 914; seeds 1 and 7 at 474 and 608) with linear decay, at the
-        # same cost (benchmarks/README.md, stop 24). The policy learns to balance in a jump,
+        # same cost (benchmarks/HISTORY.md, stop 24). The policy learns to balance in a jump,
         # after 2.3-3.2M steps at a constant rate; a decaying rate made it later or missed it.
         lr_schedule="constant",
         gamma=0.99,
