@@ -141,7 +141,7 @@ def test_finished_run_resumes_to_nothing_left_to_train(reference_run, cache, tmp
   assert "resuming" not in said
   _assert_items_equal(_final_items(logdir), _final_items(reference_run))
   assert _rl_records(logdir) == _rl_records(reference_run)
-  # Nothing is evaluated or logged again, and summary.json keeps the training run's times,
+  # Nothing is logged again, and summary.json keeps the training run's times,
   # which the summary line prints again.
   for name, data in kept.items():
     assert open(os.path.join(logdir, name), "rb").read() == data, name

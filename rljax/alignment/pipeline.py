@@ -397,8 +397,8 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
   With a ``logdir`` the RL stage checkpoints every ``checkpoint_every`` steps (keeping
   ``keep_checkpoints``) and, with ``resume``, continues a run found there: the SFT model
   (the frozen reference and the actor's start) is loaded from ``<logdir>/frozen`` instead of
-  being trained again (:mod:`rljax.alignment.checkpointing`); on a finished run it trains,
-  evaluates and logs nothing and returns the saved ``summary.json`` (:func:`finished_summary`).
+  being trained again (:mod:`rljax.alignment.checkpointing`); on a finished run it trains and
+  logs nothing and returns the saved ``summary.json`` (:func:`finished_summary`).
   A resumed run's ``wall_s`` and ``rl_s`` count its own process. ``sigterm``: an installed
   :class:`rljax.checkpoint.SigtermFlag` (see ``checkpointing.train``). ``placement``: from
   :func:`make_placement`; pre-training and SFT run in the actor's training layout, RL with every
@@ -484,13 +484,14 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
       history = checkpointing.rl_history(writer.jsonl_path, history)
   else:
     history = trainer.train(writer=writer, callback=show)
-  saved = finished_summary(logdir, resumed_from, config.rl.num_steps, history)
-  if saved is not None:  # a finished run: nothing trained, so nothing to measure or log again
-    writer.close()
-    return saved
   t_rl = time.perf_counter()
+  # Every process evaluates, finished run or not: the sampler's programs span all of them.
   acc_after = greedy_accuracy(trainer.actor_model(), tok, eval_prompts,
                               max_new_tokens=config.rl.max_new_tokens)
+  saved = finished_summary(logdir, resumed_from, config.rl.num_steps, history)
+  if saved is not None:  # a finished run: nothing trained, so nothing to log again
+    writer.close()
+    return saved
   if eval_prompts:
     log(f"greedy exact-match accuracy after RL: {acc_after:.3f}")
   if writer is not None:
