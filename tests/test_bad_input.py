@@ -569,3 +569,18 @@ def test_sft_lr_flag_sets_the_sft_learning_rate():
                                        r"learning rate, --model skips pre-training, and "
                                        r"--sft_lr=2e-05 sets SFT's; drop --lr$"):
     config("--model=m", "--lr=1e-5", "--sft_lr=2e-5")
+
+
+def test_split_that_leaves_no_training_pair_names_what_would():
+  """``pipeline.split_preference_pairs``: one pair is held out (``eval_fraction`` 0.1 rounds up
+  to one), so one pair leaves none to train on; the error names the smallest count that does,
+  as a ``--limit`` where one was given."""
+  from rljax.alignment import pipeline
+
+  config = pipeline.PreferenceConfig()
+  with pytest.raises(ValueError, match=r"^1 preference pair\(s\) leave no training pair after "
+                                       r"holding out 1 \(eval_fraction 0.1\): the data needs "
+                                       r"at least 2 pairs$"):
+    pipeline.split_preference_pairs(["a"], config)
+  train, held = pipeline.split_preference_pairs(list("abcdefghijk"), config)
+  assert (len(train), len(held)) == (10, 1) and sorted(train + held) == list("abcdefghijk")

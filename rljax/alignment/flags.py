@@ -116,8 +116,9 @@ class DataFlags:
 
 def define_data_flags(*, reward_model: bool = True) -> DataFlags:
   """``--max_prompt_len``, ``--overlong_prompts``, ``--tokenizer``, ``--vocab_size``, ``--model``,
-  ``--lr``, ``--sft_lr``, and ``--rm_lr`` where ``reward_model`` (the script trains a reward model; not
-  ``train_sft.py``, whose ``--help`` then does not list it and absl rejects it as unknown)."""
+  ``--lr``, ``--sft_lr``, and ``--rm_lr`` where ``reward_model`` (the script trains a reward
+  model; not ``train_sft.py``, whose ``--help`` then does not list it and absl rejects it as
+  unknown)."""
   return DataFlags(
       max_prompt_len=flags.DEFINE_integer(
           "max_prompt_len", None, "Prompt length limit in tokens."),

@@ -292,11 +292,13 @@ def split_preference_pairs(pairs: Sequence[Any], config: "PreferenceConfig"
   if not train:
     need = next((n for n in range(len(pairs) + 1, len(pairs) + 1000)
                  if rm_lib.split_pairs(range(n), config.eval_fraction, 0)[0]), None)
+    limited = config.limit is not None
     hint = ("lower eval_fraction" if need is None else
-            f"read at least {need} (--limit >= {need})")
-    raise ValueError(f"{len(pairs)} preference pair(s) (--limit={config.limit}) leave no "
-                     f"training pair after holding out {len(held)} (eval_fraction "
-                     f"{config.eval_fraction}): {hint}")
+            f"read at least {need} (--limit >= {need})" if limited else
+            f"the data needs at least {need} pairs")
+    source = f" (--limit={config.limit})" if limited else ""
+    raise ValueError(f"{len(pairs)} preference pair(s){source} leave no training pair after "
+                     f"holding out {len(held)} (eval_fraction {config.eval_fraction}): {hint}")
   return train, held
 
 
@@ -643,8 +645,8 @@ def preference_defaults(model: str | None = None) -> PreferenceConfig:
   return dataclasses.replace(config, model=model, lr=lrs["lr"], rm_lr=lrs["rm_lr"], rl=rl)
 
 
-# Fewer held-out pairs than this get a note: the 95% CI of an accuracy measured on n pairs is
-# about +-1/sqrt(n) wide, +-0.2 at 30.
+# Fewer held-out pairs than this get a note: the 95% CI of an accuracy near 0.5 measured on n
+# pairs is about +-1/sqrt(n) wide, +-0.18 at 30.
 MIN_HELD_OUT = 30
 
 # Where the preference pipeline writes its trained model in Hugging Face format.
