@@ -258,6 +258,13 @@ def _accuracy(before: float, after: float) -> str:
   return f"greedy accuracy {before:.3f} -> {after:.3f}"
 
 
+def _wall(s, config) -> str:
+  """The summary line's wall time, marked as saved when a finished run was re-run."""
+  if s.get("from_summary_json"):
+    return f"wall {s['wall_s']:.0f} s (the finished run's, from summary.json)"
+  return f"wall {s['wall_s']:.0f} s"
+
+
 def report(pipeline, config, logdir, **kw) -> None:
   """Runs the selected pipeline and prints its one-line summary."""
   data = _F.preference_data.value
@@ -268,7 +275,7 @@ def report(pipeline, config, logdir, **kw) -> None:
         f"{_steps(s['summary_steps'])}) -> {s['reward_last']:.3f} (last {s['summary_steps']}); "
         f"KL last {pipeline.nats(s['kl_last'])}, max {pipeline.nats(s['kl_max'])}; "
         f"{_accuracy(s['accuracy_before'], s['accuracy_after'])}; "
-        f"wall {s['wall_s']:.0f} s; logdir {logdir}")
+        f"{_wall(s, config)}; logdir {logdir}")
   else:
     s = pipeline.run_preference(data, config, logdir=logdir, log=runtime.primary_print,
                                 **kw)
@@ -279,7 +286,7 @@ def report(pipeline, config, logdir, **kw) -> None:
         f"{s['reward_first']:.3f} (first {_steps(s['summary_steps'])}) -> "
         f"{s['reward_last']:.3f} (last {s['summary_steps']}), "
         f"KL last {pipeline.nats(s['kl_last'])} max {pipeline.nats(s['kl_max'])}; "
-        f"wall {s['wall_s']:.0f} s; logdir {logdir}")
+        f"{_wall(s, config)}; logdir {logdir}")
 
 
 if __name__ == "__main__":

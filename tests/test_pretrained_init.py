@@ -190,9 +190,14 @@ def test_sft_stage_exports_the_trained_model_for_transformers(tmp_path, monkeypa
   logged = []
   s = pipeline.run_preference(str(path), cfg, logdir=logdir, stop_after="sft",
                               log=logged.append)
-  # 12 pairs hold out round(0.1 * 12) = 1, under MIN_HELD_OUT (30 = 0.1 * 300 pairs): noted.
-  assert ("note: 1 held-out pair(s) measure the reward model's accuracy only roughly (see its "
-          "95% CI); 30 or more need about 300 pairs (--limit)") in logged, logged
+  # 12 pairs hold out round(0.1 * 12) = 1, under MIN_HELD_OUT (30 = 0.1 * 300 pairs), but an
+  # SFT-only run scores no held-out pair, so it notes nothing; it names the SFT rate it used.
+  assert pipeline.held_out_note(1, 0.1) == (
+      "note: 1 held-out pair(s) measure the reward model's accuracy only roughly (see its "
+      "95% CI); 30 or more need about 300 pairs (--limit)")
+  assert pipeline.held_out_note(30, 0.1) is None and pipeline.held_out_note(0, 0.0) is None
+  assert not any(m.startswith("note:") for m in logged), logged
+  assert "sft: 2 steps at learning rate 0.0007, response loss " in "\n".join(logged), logged
   assert rates == [2e-3, 7e-4]  # pre-training at lr, then SFT at sft_lr (not lr / 2)
   # Both stages count steps from 1 into one metrics.jsonl; each record names its stage.
   from rljax.metrics import read_jsonl

@@ -151,4 +151,5 @@ def test_preference_sigkill_then_resume_is_bitwise_exact(setup, tmp_path):
   # summary.json keeps the training run's stage times (the re-run's own are a few seconds).
   with open(os.path.join(ref, "summary.json"), "rb") as f:
     assert f.read() == summary_bytes
-  assert f"wall {json.loads(summary_bytes)['wall_s']:.0f} s; logdir {ref}" in out.stdout
+  assert (f"wall {json.loads(summary_bytes)['wall_s']:.0f} s (the finished run's, from "
+          f"summary.json); logdir {ref}") in out.stdout

@@ -146,7 +146,8 @@ def test_finished_run_resumes_to_nothing_left_to_train(reference_run, cache, tmp
   for name, data in kept.items():
     assert open(os.path.join(logdir, name), "rb").read() == data, name
   wall = json.loads(kept["summary.json"])["wall_s"]
-  assert f"wall {wall:.0f} s; logdir {logdir}" in out.stdout, out.stdout[-1000:]
+  assert f"wall {wall:.0f} s (the finished run's, from summary.json); logdir {logdir}" \
+      in out.stdout, out.stdout[-1000:]
 
 
 @pytest.mark.slow

@@ -142,8 +142,9 @@ def finished_summary(logdir: str | None, resumed_from: int | None, num_steps: in
                      history: Sequence[Mapping[str, float]]) -> dict[str, Any] | None:
   """The saved ``<logdir>/summary.json`` when this call resumed a run that had already finished
   (``resumed_from == num_steps``: nothing was trained), with this call's ``history`` and
-  ``resumed_from``; None otherwise (or when the file is missing). The file is left as the
-  run wrote it, so its stage and wall times stay the training run's, not the re-run's."""
+  ``resumed_from``, and ``from_summary_json=True``; None otherwise (or when the file is
+  missing). The file is left as the run wrote it, so its stage and wall times stay the
+  training run's, not the re-run's."""
   if logdir is None or resumed_from != num_steps:
     return None
   path = os.path.join(logdir, "summary.json")
@@ -151,7 +152,7 @@ def finished_summary(logdir: str | None, resumed_from: int | None, num_steps: in
     return None
   with open(path, encoding="utf-8") as f:
     saved = json.load(f)
-  return dict(saved, history=list(history), resumed_from=resumed_from)
+  return dict(saved, history=list(history), resumed_from=resumed_from, from_summary_json=True)
 
 
 def default_rl_config(algo: str, **overrides) -> rlhf.RLHFConfig:
@@ -649,6 +650,18 @@ def preference_defaults(model: str | None = None) -> PreferenceConfig:
 # pairs is about +-1/sqrt(n) wide, +-0.18 at 30.
 MIN_HELD_OUT = 30
 
+
+
+def held_out_note(num_held_out: int, eval_fraction: float) -> str | None:
+  """The note logged when 1 to ``MIN_HELD_OUT - 1`` pairs are held out, naming the pair count
+  that would hold out ``MIN_HELD_OUT``; None otherwise."""
+  if not 0 < num_held_out < MIN_HELD_OUT:
+    return None
+  return (f"note: {num_held_out} held-out pair(s) measure the reward model's accuracy only "
+          f"roughly (see its 95% CI); {MIN_HELD_OUT} or more need about "
+          f"{math.ceil(MIN_HELD_OUT / eval_fraction)} pairs (--limit)")
+
+
 # Where the preference pipeline writes its trained model in Hugging Face format.
 HF_MODEL_DIR = "hf_model"
 
@@ -789,10 +802,9 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
   layout = train_layout(placement)
   train_pairs, held_pairs = split_preference_pairs(pairs, config)
   log(f"{path}: {len(pairs)} pairs ({len(train_pairs)} train / {len(held_pairs)} held out)")
-  if 0 < len(held_pairs) < MIN_HELD_OUT:
-    log(f"note: {len(held_pairs)} held-out pair(s) measure the reward model's accuracy only "
-        f"roughly (see its 95% CI); {MIN_HELD_OUT} or more need about "
-        f"{math.ceil(MIN_HELD_OUT / config.eval_fraction)} pairs (--limit)")
+  note = held_out_note(len(held_pairs), config.eval_fraction)
+  if note is not None and stop_after != "sft":  # SFT scores no held-out pairs
+    log(note)
   texts = [p.prompt + " " + p.chosen for p in train_pairs] + [p.rejected for p in train_pairs]
   from rljax.models.tokenizer import load_tokenizer
 
@@ -863,7 +875,8 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
         pack_length=2 * max_len), pad_id=tok.pad_token_id,
         writer=writer, prefix="sft/", layout=layout)
     sft_loss = h[-1]["sft/loss"]
-    log(f"sft: response loss {sft_loss:.3f}")
+    log(f"sft: {config.sft_steps} steps at learning rate {config.sft_learning_rate:g}, "
+        f"response loss {sft_loss:.3f}")
   else:
     log("sft: skipped (sft_steps=0); the policy and the reference are the initial model")
   t_sft = time.perf_counter()
