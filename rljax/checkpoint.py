@@ -506,7 +506,10 @@ def truncate_jsonl(path: str, last_step: int,
     return
   from rljax import metrics as metrics_lib
 
-  keep = [r for r in metrics_lib.read_jsonl(path) if not (applies(r) and r["step"] > last_step)]
+  records = metrics_lib.read_jsonl(path)
+  keep = [r for r in records if not (applies(r) and r["step"] > last_step)]
+  if len(keep) == len(records):  # nothing to drop: the file is left as it is
+    return
   text = "".join(json.dumps(r) + "\n" for r in keep)
   if in_place:
     with open(path, "r+", encoding="utf-8") as f:

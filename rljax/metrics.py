@@ -43,8 +43,11 @@ class MetricsWriter:
       (process 0 of a multi-process run). A non-primary writer creates nothing and its
       ``write`` does nothing, so N processes computing the same metrics log them once.
 
+  ``metrics.jsonl`` and the TensorBoard event file are created at the first ``write``: a
+  writer that records nothing leaves ``logdir`` as it found it.
+
   Raises:
-    OSError: if ``logdir`` cannot be created or written.
+    OSError: ``logdir`` cannot be created (here) or written (at the first ``write``).
   """
 
   def __init__(
@@ -71,12 +74,9 @@ class MetricsWriter:
     if not primary:
       return
     os.makedirs(logdir, exist_ok=True)
-    self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
-    self._tb = None
-    if tensorboard:
-      from tensorboardX import SummaryWriter
-
-      self._tb = SummaryWriter(logdir=logdir, flush_secs=10)
+    # metrics.jsonl and the event file are opened at the first record, so a writer that records
+    # nothing (a re-run of a finished run, a run stopped on bad input) leaves no empty file.
+    self._tensorboard = tensorboard
     self._bar = None
     if total is not None:
       from tqdm.auto import tqdm
@@ -102,6 +102,7 @@ class MetricsWriter:
     for k, v in metrics.items():
       f = _to_float(v)
       record[k] = f if math.isfinite(f) else str(f)
+    self._open()
     self._jsonl.write(json.dumps(record) + "\n")
     self._jsonl.flush()
     if self._tb is not None:
@@ -118,6 +119,16 @@ class MetricsWriter:
       shown = {k.split("/")[-1]: f"{record[k]:.4g}" for k in self._console_keys if k in record}
       if shown:
         self._bar.set_postfix(shown, refresh=True)
+
+  def _open(self) -> None:
+    """Opens ``metrics.jsonl`` (append) and the TensorBoard writer, once."""
+    if self._jsonl is not None:
+      return
+    self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+    if self._tensorboard:
+      from tensorboardX import SummaryWriter
+
+      self._tb = SummaryWriter(logdir=self.logdir, flush_secs=10)
 
   def close(self) -> None:
     """Closes the progress bar, the TensorBoard writer and ``metrics.jsonl``."""

@@ -129,11 +129,11 @@ def _cases(tmp_path, existing, hf=None):
                        "does not exist"),
       "overlong_prompts_rejected": (
           "train_rlhf.py", [f"--preference_data={good}", "--max_prompt_len=3",
-                            "--overlong_prompts=reject", f"--logdir={tmp_path}/new"],
+                            "--overlong_prompts=reject", n],
           "7 of 7 prompts are longer than 3 tokens"),  # 7 of 8 pairs train (90/10 split)
       "tokenizer_exceeds_vocab": (
           "train_sft.py", [f"--preference_data={good}", f"--tokenizer={tok_dir}",
-                           "--vocab_size=50", f"--logdir={tmp_path}/new2"],
+                           "--vocab_size=50", n],
           "more than the model's vocab_size 50"),
       "config_mismatch": ("train_rlhf.py", [e],
                           "holds a run with a different config (sft_steps: saved 7, now 150)"),

@@ -134,6 +134,8 @@ def test_finished_run_resumes_to_nothing_left_to_train(reference_run, cache, tmp
   shutil.copytree(reference_run, logdir)
   kept = {name: open(os.path.join(logdir, name), "rb").read()
           for name in ("summary.json", "metrics.jsonl")}
+  events = sorted(f for f in os.listdir(logdir) if f.startswith("events.out.tfevents"))
+  jsonl_mtime = os.stat(os.path.join(logdir, "metrics.jsonl")).st_mtime_ns
   out = subprocess.run(_cmd(logdir, cache), capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   said = out.stdout + out.stderr
@@ -145,6 +147,9 @@ def test_finished_run_resumes_to_nothing_left_to_train(reference_run, cache, tmp
   # which the summary line prints again.
   for name, data in kept.items():
     assert open(os.path.join(logdir, name), "rb").read() == data, name
+  # ... not even an empty event file, and metrics.jsonl is not rewritten.
+  assert sorted(f for f in os.listdir(logdir) if f.startswith("events.out.tfevents")) == events
+  assert os.stat(os.path.join(logdir, "metrics.jsonl")).st_mtime_ns == jsonl_mtime
   wall = json.loads(kept["summary.json"])["wall_s"]
   assert f"wall {wall:.0f} s (the finished run's, from summary.json); logdir {logdir}" \
       in out.stdout, out.stdout[-1000:]

@@ -186,6 +186,30 @@ def test_wandb_offline_run_receives_metrics_writer_records(tmp_path):
   assert all("stage" not in h for h in history)
 
 
+def test_metrics_writer_creates_its_files_at_the_first_record(tmp_path):
+  """A writer that records nothing (a finished run's re-run) leaves no empty metrics.jsonl or
+  event file; the first record creates both; a resume's truncation that drops nothing leaves
+  the file untouched."""
+  from rljax import checkpoint as ckpt
+
+  logdir = str(tmp_path / "run")
+  with metrics.MetricsWriter(logdir, wandb=False):
+    pass
+  assert os.listdir(logdir) == []
+  with metrics.MetricsWriter(logdir, wandb=False) as w:
+    w.write(1, {"loss": 2.0})
+    w.write(2, {"loss": 1.0})
+  names = sorted(os.listdir(logdir))
+  assert names[0].startswith("events.out.tfevents") and names[1:] == ["metrics.jsonl"], names
+  path = os.path.join(logdir, "metrics.jsonl")
+  os.utime(path, ns=(1, 1))
+  ckpt.truncate_jsonl(path, 2, in_place=True)  # nothing after step 2
+  assert os.stat(path).st_mtime_ns == 1
+  ckpt.truncate_jsonl(path, 1, in_place=True)
+  assert [r["step"] for r in metrics.read_jsonl(path)] == [1]
+  assert os.stat(path).st_mtime_ns != 1
+
+
 # -- train_control.py: --algo, bad flags -----------------------------------------------------
 
 

@@ -307,14 +307,60 @@ def check_inputs(config: "PreferenceConfig", path: str) -> None:
   """Everything the alignment scripts can check before they create the logdir, so a bad input
   leaves nothing behind that would refuse the corrected command: the model folders
   (:func:`check_hf_folders`), then the data file, read in full (about 1 s for HH-RLHF's 2,312
-  pairs), and its split (:func:`split_preference_pairs`).
+  pairs), and its split (:func:`split_preference_pairs`); with ``overlong_prompts="reject"``,
+  the prompts' lengths in the run's tokenizer (:func:`fresh_tokenizer`: a BPE trained here
+  when there is no ``model`` or ``tokenizer``, a few seconds on HH-RLHF); a ``tokenizer``'s
+  vocabulary against ``vocab_size``.
 
   Raises:
     FileNotFoundError, rljax.envs.text.data.DataError: a missing or malformed data file.
-    ValueError: as :func:`check_hf_folders` and :func:`split_preference_pairs`.
+    ValueError: as :func:`check_hf_folders`, :func:`split_preference_pairs` and
+      :func:`check_prompt_lengths`.
   """
   check_hf_folders(config)
-  split_preference_pairs(text_data.load_preference_pairs(path, limit=config.limit), config)
+  train_pairs, _ = split_preference_pairs(
+      text_data.load_preference_pairs(path, limit=config.limit), config)
+  tok = None
+  if config.tokenizer is not None:  # config: not with a model
+    tok = fresh_tokenizer(config, train_pairs)
+    _check_tokenizer_vocab(config, tok)
+  if config.overlong_prompts == "reject":  # the run's tokenizer, built only to check them
+    tok = tok or fresh_tokenizer(config, train_pairs)
+    context = (tiny_lm_config(tok.vocab_size) if config.model is None else
+               _hf_folder_config(config.model, "--model", "float32")).max_position_embeddings
+    _checked_prompts(config, tok, train_pairs, context, log=lambda _: None)
+
+
+def fresh_tokenizer(config: "PreferenceConfig", train_pairs: Sequence[Any]):
+  """The tokenizer a new (not resumed) run of ``config`` uses: ``--model``'s, ``--tokenizer``'s,
+  else a byte-level BPE of ``config.vocab_size`` tokens trained on ``train_pairs``' texts
+  (prompt + chosen, and rejected; deterministic)."""
+  from rljax.models.tokenizer import load_tokenizer
+
+  if config.model is not None:
+    return load_tokenizer(config.model)
+  if config.tokenizer is not None:
+    return load_tokenizer(config.tokenizer)
+  texts = [p.prompt + " " + p.chosen for p in train_pairs] + [p.rejected for p in train_pairs]
+  return text_data.train_bpe_tokenizer(texts, vocab_size=config.vocab_size)
+
+
+def _check_tokenizer_vocab(config: "PreferenceConfig", tok) -> None:
+  """Raises ValueError when ``--tokenizer``'s vocabulary exceeds ``config.vocab_size``."""
+  if tok.vocab_size > config.vocab_size:
+    raise ValueError(f"the tokenizer {config.tokenizer!r} has a vocabulary of {tok.vocab_size} "
+                     f"tokens, more than the model's vocab_size {config.vocab_size}; raise "
+                     f"--vocab_size to at least {tok.vocab_size}")
+
+
+def _checked_prompts(config: "PreferenceConfig", tok, train_pairs: Sequence[Any], context: int,
+                     log=print) -> list[list[int]]:
+  """``train_pairs``' prompt token ids, within the budget (:func:`check_prompt_lengths`)."""
+  return check_prompt_lengths(
+      [text_data.encode_prompt(tok, p.prompt, p.messages) for p in train_pairs],
+      max_prompt_len=config.max_prompt_len, context=context,
+      response_len=max(config.max_response_len, config.rl.max_new_tokens),
+      mode=config.overlong_prompts, log=log)
 
 
 def _load_hf_folder(path: str, lm_config: LMConfig, *, layout, seed: int, dtype: str) -> DecoderLM:
@@ -805,34 +851,25 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
   note = held_out_note(len(held_pairs), config.eval_fraction)
   if note is not None and stop_after != "sft":  # SFT scores no held-out pairs
     log(note)
-  texts = [p.prompt + " " + p.chosen for p in train_pairs] + [p.rejected for p in train_pairs]
   from rljax.models.tokenizer import load_tokenizer
 
   if resuming:  # the tokenizer the interrupted run trained (and saved)
     tok = load_tokenizer(os.path.join(logdir, "tokenizer"))
   elif pretrained is not None:
     tok = pretrained[1]
-  elif config.tokenizer is not None:
-    tok = load_tokenizer(config.tokenizer)
   else:
-    tok = text_data.train_bpe_tokenizer(texts, vocab_size=config.vocab_size)
+    tok = fresh_tokenizer(config, train_pairs)
   model_vocab = config.vocab_size if config.tokenizer is not None else tok.vocab_size
+  if config.tokenizer is not None:
+    _check_tokenizer_vocab(config, tok)
   if pretrained is not None:  # vocabulary checked by load_pretrained
     lm_config = pretrained[0].config
-  elif tok.vocab_size > model_vocab:
-    raise ValueError(f"the tokenizer {config.tokenizer!r} has a vocabulary of {tok.vocab_size} "
-                     f"tokens, more than the model's vocab_size {model_vocab}; raise "
-                     f"--vocab_size to at least {tok.vocab_size}")
   else:
     lm_config = tiny_lm_config(model_vocab, hidden_size=config.hidden_size,
                                num_layers=config.num_layers, num_heads=config.num_heads,
                                num_kv_heads=config.num_kv_heads, eos=tok.eos_token_id,
                                pad=tok.pad_token_id, bos=tok.bos_token_id)
-  prompts = check_prompt_lengths(
-      [text_data.encode_prompt(tok, p.prompt, p.messages) for p in train_pairs],
-      max_prompt_len=config.max_prompt_len, context=lm_config.max_position_embeddings,
-      response_len=max(config.max_response_len, config.rl.max_new_tokens),
-      mode=config.overlong_prompts, log=log)
+  prompts = _checked_prompts(config, tok, train_pairs, lm_config.max_position_embeddings, log=log)
   if logdir is not None and not resuming:
     text_data.save_tokenizer(tok, os.path.join(logdir, "tokenizer"))
   model = (pretrained[0] if pretrained is not None
