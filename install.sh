@@ -17,8 +17,10 @@ fi
 SYSTEM_PACKAGES="libosmesa6 ffmpeg slurmctld slurmd slurm-client munge"
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   echo "install.sh: apt-get install $SYSTEM_PACKAGES (already installed ones are kept)" >&2
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $SYSTEM_PACKAGES >/dev/null
+  # Waits up to 5 min for another apt/dpkg (e.g. unattended-upgrades at boot) to finish.
+  apt-get -o DPkg::Lock::Timeout=300 update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq \
+    --no-install-recommends $SYSTEM_PACKAGES >/dev/null
 else
   echo "install.sh: not root with apt-get; install these yourself if you need them: $SYSTEM_PACKAGES" >&2
 fi

@@ -68,8 +68,9 @@ class UnknownEnvError(ValueError):
   """Raised for a name that is not in `list_envs`; the message lists close matches."""
 
 
-class MenagerieNotFoundError(RuntimeError):
-  """Raised for a Playground environment whose MuJoCo Menagerie assets are absent."""
+class MenagerieNotFoundError(FileNotFoundError):
+  """Raised for a Playground environment whose MuJoCo Menagerie assets are absent (a missing
+  file: the experiment scripts report it in one line, exit status 2)."""
 
 
 def check_name(name: str) -> str:
@@ -116,9 +117,27 @@ def _use_menagerie(path: str | os.PathLike | None) -> None:
         "This Playground environment loads robot assets from MuJoCo Menagerie, which "
         f"is not at {mjx_env.MENAGERIE_PATH} and cannot be downloaded without network "
         "access. Clone https://github.com/google-deepmind/mujoco_menagerie on a machine "
-        f"with network access, copy it here, and pass make(..., menagerie_path=PATH) or "
-        f"set ${MENAGERIE_ENV_VAR}=PATH."
+        f"with network access, copy it here, and set ${MENAGERIE_ENV_VAR}=PATH (or pass "
+        f"--menagerie_path=PATH to experiments/train_control.py, make(..., "
+        f"menagerie_path=PATH) in Python)."
     )
+
+
+def check_assets(name: str, *, menagerie_path: str | os.PathLike | None = None) -> str:
+  """Returns ``name`` if `make` can build it here, without building it: a registered name
+  (`check_name`) whose assets are present (a local MuJoCo Menagerie for Playground's
+  locomotion and manipulation environments, ``menagerie_path`` or
+  ``$MUJOCO_MENAGERIE_PATH``; Brax's and the DM Control Suite's ship in their packages).
+
+  Raises:
+    UnknownEnvError: as `check_name`.
+    MenagerieNotFoundError: a Menagerie-backed environment without a local Menagerie.
+  """
+  check_name(name)
+  source, env_name = name.split("/", 1)
+  if source == "playground" and env_name not in _playground_names()[0]:
+    _use_menagerie(menagerie_path)
+  return name
 
 
 def make(name: str, *, menagerie_path: str | None = None, **kwargs: Any):
@@ -292,6 +311,7 @@ __all__ = [
     "RecordFinalObs",
     "TraceOnce",
     "UnknownEnvError",
+    "check_assets",
     "check_name",
     "default_episode_length",
     "list_envs",

@@ -40,6 +40,9 @@ _VIDEO_SIZE = flags.DEFINE_list("video_size", ["240", "320"], "Eval video height
 _WANDB = run_info.define_wandb_flag()
 _ENV = flags.DEFINE_string("env", "playground/CartpoleBalance", "Environment name (rljax.envs.list_envs()).")
 _LOGDIR = flags.DEFINE_string("logdir", None, "Output directory (default runs/<env>-<time>).")
+_MENAGERIE = flags.DEFINE_string(
+    "menagerie_path", None, "Local MuJoCo Menagerie checkout, for Playground's locomotion and "
+    "manipulation environments (default $MUJOCO_MENAGERIE_PATH; this flag sets it).")
 _CACHE = flags.DEFINE_bool("compilation_cache", True, "Use JAX's persistent compilation cache.")
 _CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", None, "Cache directory (default ~/.cache/rljax).")
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Print tracebacks for user errors.")
@@ -86,7 +89,7 @@ _HELP = {
     "episode_length": "Steps per episode (time limit; 0 = the environment's default).",
     "action_repeat": "Physics steps per action.",
     "num_evals": "Evaluations over the run, the first at step 0 (num_evals - 1 training "
-                 "chunks, a checkpoint after each).",
+                 "chunks, a checkpoint after each; 1 acts as 2, as in Brax).",
     "num_eval_envs": "Environments per evaluation, one full episode each.",
     "deterministic_eval": "Evaluate the mean action tanh(loc) instead of sampling.",
     "keep_checkpoints": "Checkpoints kept (the newest).",
@@ -251,7 +254,9 @@ def main(argv):
     # (about 5 s of a bad-flag exit's 8-10 s), so their mistakes are reported without it.
     from rljax import envs
 
-    envs.check_name(config.env)
+    if _MENAGERIE.value:  # read by rljax.envs.make wherever the run builds the environment
+      os.environ[envs.MENAGERIE_ENV_VAR] = _MENAGERIE.value
+    envs.check_assets(config.env)  # the name, then Menagerie's assets where it needs them
     logdir = _LOGDIR.value or os.path.join(
         "runs", f"{config.env.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}"
     )

@@ -48,7 +48,11 @@ TINY = dict(
         (dict(overlap_value_update=True, max_grad_norm=1.0),
          r"overlap_value_update needs max_grad_norm=None .* got max_grad_norm=1.0"),
         (dict(gae_per_minibatch=True, overlap_value_update=True),
-         r"gae_per_minibatch needs overlap_value_update=False .* got overlap_value_update=True"),
+         r"gae_per_minibatch needs overlap_value_update=False .* got overlap_value_update=True\.$"),
+        # The hint names the bundled defaults only where they set it.
+        (dict(env="playground/CheetahRun", gae_per_minibatch=True, overlap_value_update=True),
+         r"got overlap_value_update=True \(playground/CheetahRun's defaults turn it on: "
+         r"--overlap_value_update=false\)\.$"),
         (dict(gae_per_minibatch=True, num_microbatches=2),
          r"gae_per_minibatch needs num_microbatches=1 .* got num_microbatches=2"),
     ],
@@ -64,6 +68,11 @@ def test_config_rejects_bad_values(kwargs, match):
         (["--num_envs=0"], "num_envs must be a positive integer, got 0"),
         (["--num_envs=16", "--num_minibatches=3"], "batch_size=16 is not divisible by num_minibatches=3"),
         (["--env=playground/CartpoleBalanse"], "Did you mean: playground/CartpoleBalance"),
+        # Menagerie-backed (no checkout here or in CI): one line saying how to point at one.
+        (["--env=playground/Go1JoystickFlatTerrain"], "set $MUJOCO_MENAGERIE_PATH=PATH (or pass "
+                                                     "--menagerie_path=PATH"),
+        (["--env=playground/Go1JoystickFlatTerrain", "--menagerie_path=/nonexistent/menagerie"],
+         "menagerie_path '/nonexistent/menagerie' does not exist"),
         (["--learning_rate=-1"], "learning_rate must be > 0, got -1.0"),
         (["--mesh=2,1,1"], "mesh data=2 x fsdp=1 x tensor=1 = 2 devices, but 1 device is available"),
         (["--sharding_rules=foo"], "unknown sharding rules preset 'foo'"),

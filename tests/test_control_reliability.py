@@ -3,8 +3,10 @@ and the non-finite guard."""
 
 import dataclasses
 import json
+import logging
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -109,6 +111,29 @@ def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference_run, cache, 
   _assert_bitwise_equal(_final_params(logdir), _final_params(reference_run))
 
 
+def test_sigterm_during_start_up_exits_75_with_nothing_written(tmp_path):
+  """A SIGTERM while the environments reset and the programs compile (before the trainer's
+  loop) stops the run with status 75 too, once the compiles end: no checkpoint, no record."""
+  logdir = str(tmp_path / "run")
+  # A cache of its own, so start-up compiles (seconds) instead of loading the module's.
+  proc = subprocess.Popen(_cmd(logdir, str(tmp_path / "cache")), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  config_json = os.path.join(logdir, "checkpoints", ckpt.CONFIG_FILE)  # written during start-up
+  t0 = time.time()
+  while not os.path.exists(config_json):
+    assert proc.poll() is None, f"training exited early: {proc.communicate()}"
+    assert time.time() - t0 < 240, "no checkpoints/config.json after 240 s"
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGTERM)
+  _, stderr = proc.communicate(timeout=240)
+  assert proc.returncode == trainer.EXIT_PREEMPTED == 75, stderr[-3000:]
+  assert (f"preempted by SIGTERM during start-up, before training; nothing new to checkpoint: "
+          f"the run resumes from the start in {logdir}; exiting with status 75") in stderr, \
+      stderr[-3000:]
+  assert os.listdir(os.path.join(logdir, "checkpoints")) == [ckpt.CONFIG_FILE]
+  assert not os.path.exists(os.path.join(logdir, "metrics.jsonl"))
+
+
 def _truncate_largest_file(directory):
   files = [os.path.join(d, f) for d, _, fs in os.walk(directory) for f in fs]
   target = max(files, key=os.path.getsize)
@@ -136,6 +161,28 @@ def test_finished_run_reruns_as_a_no_op_and_truncated_newest_checkpoint_falls_ba
     assert f.read() == jsonl
   assert again.history == done.history
   _assert_bitwise_equal(jax.tree.leaves(jax.device_get(again.train_state)),
+                        jax.tree.leaves(jax.device_get(done.train_state)))
+  # Killed before checkpoint 3 was written: the resume's restored state has the avals and
+  # placement the train chunk and the evaluation were compiled for at start-up, so each
+  # compiles once (orbax restores arrays committed to a device, which compiled both again,
+  # 13-46 s per resumed run, before `trainer._uncommitted`).
+  killed = str(tmp_path / "killed")
+  shutil.copytree(logdir, killed)
+  shutil.rmtree(os.path.join(killed, "checkpoints", "3"))
+  compiles = []
+  handler = logging.Handler()
+  handler.emit = lambda r: compiles.append(r.getMessage().split(" with ")[0])
+  logging.getLogger("jax").addHandler(handler)
+  jax.config.update("jax_log_compiles", True)
+  try:
+    redone = trainer.train(config, killed, progress=False)
+  finally:
+    jax.config.update("jax_log_compiles", False)
+    logging.getLogger("jax").removeHandler(handler)
+  assert redone.resumed_from == 2
+  assert compiles.count("Compiling jit(chunk)") == 1, compiles
+  assert compiles.count("Compiling jit(run)") == 1, compiles
+  _assert_bitwise_equal(jax.tree.leaves(jax.device_get(redone.train_state)),
                         jax.tree.leaves(jax.device_get(done.train_state)))
   _truncate_largest_file(os.path.join(logdir, "checkpoints", "3", "train_state"))
   # Corrupt the policy of chunk 3 too, then resume: chunk 3 must be reported and

@@ -67,7 +67,8 @@ class ControlConfig:
       Brax uses ``1.0``.
     episode_length: steps per episode (time limit); 0 means the environment's default.
     action_repeat: physics steps per action.
-    num_evals: evaluations over the run (the first at step 0).
+    num_evals: evaluations over the run (the first at step 0); ``max(num_evals - 1, 1)``
+      training chunks, so 1 acts as 2, as in Brax's ``num_evals``.
     num_eval_envs: environments per evaluation, each running one full episode.
     deterministic_eval: evaluate the mean action ``tanh(loc)``.
     seed: PRNG seed; the same seed gives bitwise-equal runs on the same machine.
@@ -163,10 +164,12 @@ class ControlConfig:
           f"overlap_value_update needs max_grad_norm=None (a global-norm clip couples the policy "
           f"and value steps), got max_grad_norm={self.max_grad_norm!r}.")
     if self.gae_per_minibatch and self.overlap_value_update:
+      # The hint only where the environment's bundled defaults set it (not the user).
+      hint = (f" ({self.env}'s defaults turn it on: --overlap_value_update=false)"
+              if _DEFAULTS.get(self.env, {}).get("overlap_value_update") else "")
       raise ConfigError(
           "gae_per_minibatch needs overlap_value_update=False (the overlapped value update "
-          "trains on advantages computed before it), got overlap_value_update=True "
-          "(playground/CheetahRun's defaults turn it on: --overlap_value_update=false).")
+          f"trains on advantages computed before it), got overlap_value_update=True{hint}.")
     if self.gae_per_minibatch and self.num_microbatches != 1:
       raise ConfigError(
           f"gae_per_minibatch needs num_microbatches=1 (advantages are whitened over the whole "

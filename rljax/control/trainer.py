@@ -685,10 +685,18 @@ EXIT_PREEMPTED = ckpt.EXIT_PREEMPTED
 
 
 class Preempted(Exception):
-  """Raised by `train` after SIGTERM: the current chunk finished and was checkpointed."""
+  """Raised by `train` after SIGTERM: the current chunk finished and was checkpointed, or
+  (``during_start_up``) the signal came before the first chunk and ``chunk`` is the
+  newest checkpoint (0: none), from which the same command resumes."""
 
-  def __init__(self, chunk: int, logdir: str):
-    super().__init__(f"preempted by SIGTERM; checkpointed chunk {chunk} in {logdir}")
+  def __init__(self, chunk: int, logdir: str, *, during_start_up: bool = False):
+    if during_start_up:
+      where = f"checkpoint {chunk}" if chunk else "the start"
+      msg = (f"preempted by SIGTERM during start-up, before training; nothing new to "
+             f"checkpoint: the run resumes from {where} in {logdir}")
+    else:
+      msg = f"preempted by SIGTERM; checkpointed chunk {chunk} in {logdir}"
+    super().__init__(msg)
     self.chunk = chunk
 
 
@@ -869,6 +877,17 @@ def _with_sharding(x, sharding) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
 
 
+def _uncommitted(tree, mesh: jax.sharding.Mesh | None):
+  """``tree``'s restored arrays as `Trainer.init` makes them. Without a mesh those are
+  uncommitted (jax places them), which the train chunk and the evaluation were compiled
+  for; orbax restores arrays committed to a device, a call with which compiles both again
+  (13 s on CartpoleBalance, 46 s on CheetahRun, once per resumed run). On a mesh `Trainer.place`
+  lays them out as compiled."""
+  if mesh is not None:
+    return tree
+  return jax.device_put(jax.device_get(tree))  # host arrays, put back uncommitted
+
+
 def _strong_types(tree):
   """``tree`` with no weakly typed leaves.
 
@@ -987,7 +1006,8 @@ def train(
   With ``resume`` (default) and a checkpoint in ``logdir``, the run continues from the
   newest readable checkpoint and ends bitwise equal to an uninterrupted run. On
   SIGTERM the current chunk finishes, a checkpoint is written and `Preempted` is
-  raised (scripts exit with `EXIT_PREEMPTED`).
+  raised (scripts exit with `EXIT_PREEMPTED`); a SIGTERM during start-up raises it once
+  the compiles end, before the first evaluation, with nothing new to save.
 
   ``on_eval(chunk, train_state, record)``, if given, is called on the host after each
   evaluation is logged and checkpointed (chunk 0 before training included), with the record as logged
@@ -1007,10 +1027,23 @@ def train(
     rljax.control.config.ConfigError, rljax.envs.UnknownEnvError, ValueError: bad
       settings (or a ``logdir`` whose checkpoints are of another config), before anything
       compiles.
-    Preempted: SIGTERM was received; the state is checkpointed.
+    Preempted: SIGTERM was received; the state is checkpointed (or was, during start-up).
     NonFiniteHalt: ``config.nonfinite == "halt"`` and an update was skipped.
   """
   t_start = time.perf_counter()
+  # From the start, so a SIGTERM during start-up (environments, compiles: up to a minute)
+  # stops the run with `Preempted` too, once the compiles (which cannot be cancelled) end.
+  with _SigtermFlag() as sigterm:
+    return _train(config, logdir, progress=progress, checkpoints=checkpoints, resume=resume,
+                  log=log, mesh=mesh, on_eval=on_eval, overlap_eval=overlap_eval,
+                  t_start=t_start, sigterm=sigterm)
+
+
+def _train(config: ControlConfig, logdir: str | None, *, progress: bool, checkpoints: bool,
+           resume: bool, log: Callable[[str], None], mesh: jax.sharding.Mesh | None,
+           on_eval: Callable | None, overlap_eval: bool, t_start: float,
+           sigterm: ckpt.SigtermFlag) -> TrainResult:
+  """`train`'s body, with its SIGTERM flag installed."""
   use_ckpt = logdir is not None and checkpoints
   # A saved config binds only a run that saved state (a run stopped before its first
   # checkpoint, e.g. while compiling, does not refuse the next command in its logdir).
@@ -1062,19 +1095,13 @@ def train(
       start_chunk, policy_item, train_item = restored
       ts = _from_items(ts, policy_item, train_item)
       env_state = ckpt.from_saveable(env_state, train_item["env_state"])
-      ts, env_state = trainer.place(ts, env_state)
+      ts, env_state = trainer.place(*_uncommitted((ts, env_state), trainer.mesh))
       env_steps = int(train_item["env_steps"])
       resumed_from = start_chunk
     history = resume_history(logdir, resumed_from, num_chunks=trainer.num_chunks,
                              env_steps=env_steps, log=log)
 
-  writer = None
-  if logdir is not None and start_chunk < trainer.num_chunks:
-    writer = metrics_lib.MetricsWriter(
-        logdir,
-        total=trainer.num_chunks * trainer.env_steps_per_chunk if progress else None,
-        console_keys=("eval/episode_reward", "sps"),
-    )
+  writer = None  # made once start-up ends, so that the progress bar times training only
 
   def log_record(chunk: int, m: dict[str, Any], env_steps: int):
     record = {k: float(v) for k, v in m.items()}
@@ -1096,6 +1123,16 @@ def train(
     chunk_compiled.result()
   # Seconds from the start until both are compiled (environment build and reset overlap).
   compile_s = time.perf_counter() - t_start
+  if sigterm.received and start_chunk < trainer.num_chunks:  # during start-up: nothing to save
+    if manager is not None:
+      manager.close()
+    raise Preempted(start_chunk, str(logdir), during_start_up=True)
+  if logdir is not None and start_chunk < trainer.num_chunks:
+    writer = metrics_lib.MetricsWriter(
+        logdir,
+        total=trainer.num_chunks * trainer.env_steps_per_chunk if progress else None,
+        console_keys=("eval/episode_reward", "sps"),
+    )
 
   skipped_before = int(ts.skipped_updates)
   overlap = bool(overlap_eval) and jax.process_count() == 1
@@ -1145,34 +1182,33 @@ def train(
         pending = before._replace(ts=snapshot(ts))
       else:
         finish(before, timed_eval(ts.params, ts.obs_stats, 0))
-    with _SigtermFlag() as sigterm:
-      for chunk in range(start_chunk + 1, trainer.num_chunks + 1):
-        eval_future = None
-        if pending is not None:
-          eval_future = eval_pool.submit(timed_eval, pending.ts.params, pending.ts.obs_stats,
-                                         pending.chunk)
-        t0 = time.perf_counter()
-        ts, env_state, train_metrics = trainer.train_chunk(ts, env_state)
-        if pending is not None:
-          finish(pending, eval_future.result())
-          pending = None
-        train_metrics = jax.device_get(train_metrics)
-        train_s = time.perf_counter() - t0
-        env_steps += trainer.env_steps_per_chunk
-        record = dict(train_metrics)
-        record.update({"sps": trainer.env_steps_per_chunk / train_s, "timing/train_s": train_s})
-        done = _ChunkDone(chunk, record, ts, env_state, env_steps)
-        last = chunk == trainer.num_chunks
-        if overlap and not last and not sigterm.received:
-          # Copies, made before the next chunk donates the originals.
-          pending = done._replace(
-              ts=snapshot(ts), env_state=snapshot(env_state) if manager is not None else None)
-          continue
-        finish(done, timed_eval(ts.params, ts.obs_stats, chunk))
-        if sigterm.received and not last:
-          if writer is not None:
-            writer.close()
-          raise Preempted(chunk, str(logdir))
+    for chunk in range(start_chunk + 1, trainer.num_chunks + 1):
+      eval_future = None
+      if pending is not None:
+        eval_future = eval_pool.submit(timed_eval, pending.ts.params, pending.ts.obs_stats,
+                                       pending.chunk)
+      t0 = time.perf_counter()
+      ts, env_state, train_metrics = trainer.train_chunk(ts, env_state)
+      if pending is not None:
+        finish(pending, eval_future.result())
+        pending = None
+      train_metrics = jax.device_get(train_metrics)
+      train_s = time.perf_counter() - t0
+      env_steps += trainer.env_steps_per_chunk
+      record = dict(train_metrics)
+      record.update({"sps": trainer.env_steps_per_chunk / train_s, "timing/train_s": train_s})
+      done = _ChunkDone(chunk, record, ts, env_state, env_steps)
+      last = chunk == trainer.num_chunks
+      if overlap and not last and not sigterm.received:
+        # Copies, made before the next chunk donates the originals.
+        pending = done._replace(
+            ts=snapshot(ts), env_state=snapshot(env_state) if manager is not None else None)
+        continue
+      finish(done, timed_eval(ts.params, ts.obs_stats, chunk))
+      if sigterm.received and not last:
+        if writer is not None:
+          writer.close()
+        raise Preempted(chunk, str(logdir))
   finally:
     if eval_pool is not None:
       eval_pool.shutdown(wait=True)
@@ -1223,9 +1259,10 @@ def load_policy(logdir: str, *, step: int | None = None, deterministic: bool = T
   """Rebuilds the trained policy from ``<logdir>/checkpoints`` alone.
 
   Returns:
-    ``policy(obs [..., D] float32, key) -> actions [..., A]`` in ``[-1, 1]``, jitted;
-    the observation normaliser is applied inside. With ``deterministic=True`` the key
-    is ignored and the action is ``tanh(loc)``.
+    ``policy(obs [..., D] float32, key=None) -> actions [..., A]`` in ``[-1, 1]``, jitted;
+    the observation normaliser is applied inside. With ``deterministic=True`` (or no
+    ``key``) the action is ``tanh(loc)`` and a key is ignored; else it is sampled with
+    ``key``.
 
   Raises:
     FileNotFoundError: no checkpoint or config under ``logdir``.
