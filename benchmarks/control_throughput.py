@@ -14,7 +14,10 @@ For one environment it runs, back to back:
 3. rljax again with its own default config for the environment;
 4. the physics limit: ``jit(lax.scan(vmap(env.step)))`` with zero actions, compiled both with
    XLA's default options and with the ones rljax compiles its physics with
-   (``rljax.runtime.control_compiler_options``); the faster is the limit.
+   (``rljax.runtime.control_compiler_options``), measured in this process after the trainers
+   and again in a fresh child process (``--physics_limit_only``); the fastest of the four is
+   the limit. The two processes have read it 11.3k and 13.1-17.8k steps/s on ant on the same
+   machine (benchmarks/HISTORY.md, stop 36), so the higher bounds ``fraction_of_limit``.
 
 Steady-state steps/s exclude compilation: they are the median over the training
 epochs after the first (both trainers time each epoch the same way, evaluation
@@ -28,7 +31,11 @@ below restores it for Brax only. Nothing of Brax's algorithm or settings is chan
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import jax
@@ -48,6 +55,10 @@ _GAE_PER_MINIBATCH = flags.DEFINE_bool(
     "(ControlConfig.gae_per_minibatch), instead of once per iteration before the update "
     "(rljax's default). Off: it was 2-3% faster and learnt less (benchmarks/HISTORY.md, "
     "stop 28).")
+_LIMIT_ONLY = flags.DEFINE_bool(
+    "physics_limit_only", False,
+    "Measure the physics limit alone (both compiler options), write it to --out as JSON and "
+    "exit: what the benchmark runs in a fresh child process.")
 _DEFAULT_TIMESTEPS = flags.DEFINE_integer(
     "default_num_timesteps", None,
     "Timesteps of the rljax-default run (default: --num_timesteps); only its steady "
@@ -228,6 +239,32 @@ def physics_limits(env_name: str, num_envs: int, options: dict[str, dict | None]
   return limits
 
 
+def limit_options() -> dict[str, dict | None]:
+  """The compiler options the limit is measured with: XLA's defaults and rljax's."""
+  from rljax import runtime
+
+  return {"default": None, "rljax": runtime.control_compiler_options()}
+
+
+def physics_limits_in_child(env_name: str, num_envs: int) -> dict[str, float]:
+  """:func:`physics_limits` measured by this script in a fresh process
+  (``--physics_limit_only``), which has run nothing else.
+
+  Raises:
+    RuntimeError: the child failed (its stderr's tail is in the message).
+  """
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, "limit.json")
+    child = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), f"--env={env_name}",
+         f"--num_envs={num_envs}", "--physics_limit_only", f"--out={out}"],
+        capture_output=True, text=True)
+    if child.returncode != 0:
+      raise RuntimeError(f"the physics-limit child process failed:\n{child.stderr[-2000:]}")
+    with open(out, encoding="utf-8") as f:
+      return json.load(f)
+
+
 def import_both_stacks() -> None:
   """Imports every module either trainer imports lazily, before either is timed.
 
@@ -244,6 +281,11 @@ def import_both_stacks() -> None:
 
 def main(argv):
   del argv
+  if _LIMIT_ONLY.value:
+    limits = physics_limits(_ENV.value, _NUM_ENVS.value, limit_options())
+    with open(_OUT.value, "w", encoding="utf-8") as f:
+      json.dump(limits, f)
+    return
   import_both_stacks()
   from rljax import envs
   from rljax.control.config import default_config
@@ -262,17 +304,17 @@ def main(argv):
     dc = dc.replace(num_timesteps=_DEFAULT_TIMESTEPS.value or _TIMESTEPS.value, num_evals=5)
     default = run_rljax(dc)
     print(f"  rljax (default {dc.num_envs} envs, {dc.policy_hidden}/{dc.value_hidden}): {default}", flush=True)
-  # The limit is the faster of XLA's default compiler options and the ones rljax compiles its
+  # The limit is the fastest of XLA's default compiler options and the ones rljax compiles its
   # physics with (rljax.runtime.control_compiler_options), so fraction_of_limit cannot exceed 1
-  # by a compiler setting alone.
-  from rljax import runtime
-
-  limits = physics_limits(env_name, _NUM_ENVS.value,
-                          {"default": None, "rljax": runtime.control_compiler_options()})
-  limit_default, limit_rljax = limits["default"], limits["rljax"]
+  # by a compiler setting alone; and of this process (after the trainers) and a fresh one.
+  here = physics_limits(env_name, _NUM_ENVS.value, limit_options())
+  fresh = physics_limits_in_child(env_name, _NUM_ENVS.value)
+  limit_default = max(here["default"], fresh["default"])
+  limit_rljax = max(here["rljax"], fresh["rljax"])
   limit = max(limit_default, limit_rljax)
   print(f"  physics limit: {limit:,.0f} steps/s (XLA defaults {limit_default:,.0f}, "
-        f"rljax's options {limit_rljax:,.0f})", flush=True)
+        f"rljax's options {limit_rljax:,.0f}; this process {max(here.values()):,.0f}, "
+        f"a fresh one {max(fresh.values()):,.0f})", flush=True)
   result = dict(
       env=env_name,
       num_envs=_NUM_ENVS.value,
@@ -282,6 +324,8 @@ def main(argv):
       physics_limit_sps=limit,
       physics_limit_default_xla_sps=limit_default,
       physics_limit_rljax_options_sps=limit_rljax,
+      physics_limit_this_process_sps=max(here.values()),
+      physics_limit_fresh_process_sps=max(fresh.values()),
       rljax_wall_s=ours["wall_s"],
       rljax_compile_s=ours["compile_s"],
       brax_wall_s=brax["wall_s"],

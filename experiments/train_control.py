@@ -6,7 +6,7 @@ r"""Train a policy on an MJX environment with PPO (default) or analytic policy g
     python experiments/train_control.py --eval_video=mp4,gif --wandb   # videos; W&B offline
 
 Every ``ControlConfig`` field but ``env_kwargs`` is a flag; unset flags take the environment's bundled
-default (``rljax.control.config.default_config``). With ``--algo=apg`` the flags are
+default (``rljax.control.config.default_config``; ``--show_config`` prints the result and exits). With ``--algo=apg`` the flags are
 ``APGConfig``'s fields (``rljax.control.apg``; defaults ``apg.default_apg_config``), and
 PPO-only flags are errors. Bad values fail before anything compiles, with exit status 2
 and a one-line message (``--verbose`` for a traceback).
@@ -59,6 +59,9 @@ _DEVICE_MEMORY = ckpt_lib.define_device_memory_flag()
 _RESUME = flags.DEFINE_bool(
     "resume", True, "Continue from the newest checkpoint in --logdir when there is one."
 )
+_SHOW_CONFIG = flags.DEFINE_bool(
+    "show_config", False, "Print the run's config (the environment's bundled defaults with "
+    "these flags applied) as JSON and exit, before anything is written or compiled.")
 
 # One flag per ControlConfig field (except env), defaulting to "use the env's default",
 # and one per APG-only APGConfig field.
@@ -246,6 +249,9 @@ def main(argv):
   def run():
     distributed.initialize_from_flags()  # no-op for one process outside SLURM
     config = build_config()  # validates before anything compiles
+    if _SHOW_CONFIG.value:
+      print(config.to_json())
+      return 0
     if _ALGO.value == "apg" and _MESH.value is not None:
       raise ValueError("--mesh is not supported with --algo=apg (APG runs on one device).")
     mesh = build_mesh(config) if _ALGO.value == "ppo" else None

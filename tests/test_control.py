@@ -89,6 +89,19 @@ def test_script_rejects_bad_flags_before_compiling(flags, match, tmp_path):
   assert not os.path.exists(tmp_path / "run")  # nothing written, nothing compiled
 
 
+def test_show_config_prints_the_env_defaults_with_the_flags_and_writes_nothing(tmp_path):
+  """--show_config prints the bundled defaults of --env with the flags applied, exits 0, and
+  neither writes the logdir nor compiles."""
+  out = subprocess.run(
+      [sys.executable, SCRIPT, "--env=brax/ant", "--num_envs=128", "--show_config",
+       f"--logdir={tmp_path}/run"], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  shown = ControlConfig.from_json(out.stdout)
+  assert shown == default_config("brax/ant").replace(num_envs=128)
+  assert (shown.num_timesteps, shown.learning_rate, shown.gamma) == (6_000_000, 3e-4, 0.97)
+  assert not os.path.exists(tmp_path / "run")
+
+
 def _leaves(params):
   return [np.asarray(x) for x in jax.tree.leaves(params)]
 
