@@ -631,7 +631,8 @@ def train_apg(config: APGConfig, logdir: str | None = None, *, progress: bool = 
   a checkpoint of the full state (policy, optimizer, normaliser, key, update count and the
   environment state); with ``resume`` (default) the run continues from the newest readable
   one and ends bitwise equal to an uninterrupted run. On SIGTERM the current chunk finishes,
-  is checkpointed, and `rljax.control.trainer.Preempted` is raised.
+  is checkpointed, and `rljax.control.trainer.Preempted` is raised (during start-up: the
+  first chunk).
 
   Returns:
     `APGResult`.
@@ -643,6 +644,16 @@ def train_apg(config: APGConfig, logdir: str | None = None, *, progress: bool = 
     rljax.control.trainer.Preempted: SIGTERM was received; the state is checkpointed.
   """
   t_start = time.perf_counter()
+  # From the start: a SIGTERM during start-up stops the run after its first chunk's checkpoint.
+  with ckpt.SigtermFlag() as sigterm:
+    return _train_apg(config, logdir, progress=progress, checkpoints=checkpoints,
+                      resume=resume, log=log, t_start=t_start, sigterm=sigterm)
+
+
+def _train_apg(config: APGConfig, logdir: str | None, *, progress: bool, checkpoints: bool,
+               resume: bool, log: Callable[[str], None], t_start: float,
+               sigterm: ckpt.SigtermFlag) -> APGResult:
+  """`train_apg`'s body, with its SIGTERM flag installed."""
   use_ckpt = logdir is not None and checkpoints
   newest = ckpt.newest_step(logdir) if use_ckpt else None
   if newest is not None:
@@ -695,32 +706,31 @@ def train_apg(config: APGConfig, logdir: str | None = None, *, progress: bool = 
     compile_s = time.perf_counter() - t0
     record_eval(0, dict(ev, **{"timing/eval_s": compile_s, "sps": 0.0}))
   first_train_s = None
-  with ckpt.SigtermFlag() as sigterm:
-    for chunk in range(start_chunk + 1, trainer.num_chunks + 1):
-      t0 = time.perf_counter()
-      state, env_state, train_metrics = trainer.train_chunk(state, env_state)
-      train_metrics = jax.device_get(train_metrics)
-      train_s = time.perf_counter() - t0
-      if first_train_s is None:
-        first_train_s = train_s
-      elif chunk == start_chunk + 2:
-        compile_s += max(first_train_s - train_s, 0.0)
-      env_steps += trainer.env_steps_per_chunk
-      t1 = time.perf_counter()
-      ev = evaluate(state, chunk)
-      record = dict(train_metrics)
-      record.update(ev)
-      record.update({"sps": trainer.env_steps_per_chunk / train_s, "timing/train_s": train_s,
-                     "timing/eval_s": time.perf_counter() - t1})
-      record_eval(chunk, record)
+  for chunk in range(start_chunk + 1, trainer.num_chunks + 1):
+    t0 = time.perf_counter()
+    state, env_state, train_metrics = trainer.train_chunk(state, env_state)
+    train_metrics = jax.device_get(train_metrics)
+    train_s = time.perf_counter() - t0
+    if first_train_s is None:
+      first_train_s = train_s
+    elif chunk == start_chunk + 2:
+      compile_s += max(first_train_s - train_s, 0.0)
+    env_steps += trainer.env_steps_per_chunk
+    t1 = time.perf_counter()
+    ev = evaluate(state, chunk)
+    record = dict(train_metrics)
+    record.update(ev)
+    record.update({"sps": trainer.env_steps_per_chunk / train_s, "timing/train_s": train_s,
+                   "timing/eval_s": time.perf_counter() - t1})
+    record_eval(chunk, record)
+    if manager is not None:
+      ckpt.save(manager, chunk, *_items(state, env_state, env_steps))
+    if sigterm.received and chunk < trainer.num_chunks:
+      if writer is not None:
+        writer.close()
       if manager is not None:
-        ckpt.save(manager, chunk, *_items(state, env_state, env_steps))
-      if sigterm.received and chunk < trainer.num_chunks:
-        if writer is not None:
-          writer.close()
-        if manager is not None:
-          manager.close()
-        raise ppo_trainer.Preempted(chunk, str(logdir))
+        manager.close()
+      raise ppo_trainer.Preempted(chunk, str(logdir))
 
   wall_s = time.perf_counter() - t_start
   if writer is not None:
