@@ -99,8 +99,9 @@ def _default_impl() -> str:
   return "warp" if jax.default_backend() == "gpu" else "jax"
 
 
-def _use_menagerie(path: str | os.PathLike | None) -> None:
-  """Points Playground at a local Menagerie, or fails before Playground tries git clone."""
+def _use_menagerie(path: str | os.PathLike | None) -> str:
+  """Points Playground at a local Menagerie (returned), or fails before Playground tries git
+  clone."""
   from etils import epath
   from mujoco_playground._src import mjx_env
 
@@ -111,7 +112,7 @@ def _use_menagerie(path: str | os.PathLike | None) -> None:
       raise MenagerieNotFoundError(f"menagerie_path {str(p)!r} does not exist.")
     # Playground reads this module attribute when it loads robot assets.
     mjx_env.MENAGERIE_PATH = p
-    return
+    return str(p)
   if not mjx_env.MENAGERIE_PATH.exists():
     raise MenagerieNotFoundError(
         "This Playground environment loads robot assets from MuJoCo Menagerie, which "
@@ -121,6 +122,7 @@ def _use_menagerie(path: str | os.PathLike | None) -> None:
         f"--menagerie_path=PATH to experiments/train_control.py, make(..., "
         f"menagerie_path=PATH) in Python)."
     )
+  return str(mjx_env.MENAGERIE_PATH)
 
 
 def check_assets(name: str, *, menagerie_path: str | os.PathLike | None = None) -> str:
@@ -129,14 +131,18 @@ def check_assets(name: str, *, menagerie_path: str | os.PathLike | None = None) 
   locomotion and manipulation environments, ``menagerie_path`` or
   ``$MUJOCO_MENAGERIE_PATH``; Brax's and the DM Control Suite's ship in their packages).
 
+  A Menagerie-backed environment is built once to check that its robot's files are there (a
+  few seconds); the others are not built.
+
   Raises:
     UnknownEnvError: as `check_name`.
-    MenagerieNotFoundError: a Menagerie-backed environment without a local Menagerie.
+    MenagerieNotFoundError: a Menagerie-backed environment without a local Menagerie, or
+      whose robot files that Menagerie lacks.
   """
   check_name(name)
   source, env_name = name.split("/", 1)
   if source == "playground" and env_name not in _playground_names()[0]:
-    _use_menagerie(menagerie_path)
+    make(name, menagerie_path=menagerie_path)
   return name
 
 
@@ -170,11 +176,20 @@ def make(name: str, *, menagerie_path: str | None = None, **kwargs: Any):
   from mujoco_playground import registry
 
   dm, _ = _playground_names()
-  if env_name not in dm:
-    _use_menagerie(menagerie_path)
   overrides = dict(kwargs)
   overrides.setdefault("impl", _default_impl())
-  return registry.load(env_name, config_overrides=overrides)
+  if env_name in dm:
+    return registry.load(env_name, config_overrides=overrides)
+  path = _use_menagerie(menagerie_path)
+  try:
+    return registry.load(env_name, config_overrides=overrides)
+  except ValueError as e:  # MuJoCo's XML compiler: a file it includes is missing
+    if "Error opening file" not in str(e):
+      raise
+    raise MenagerieNotFoundError(
+        f"{path} lacks the MuJoCo Menagerie files {name} needs ({str(e).splitlines()[0]}): "
+        f"point {MENAGERIE_ENV_VAR} (or --menagerie_path, menagerie_path=) at a full clone of "
+        f"https://github.com/google-deepmind/mujoco_menagerie.") from e
 
 
 def default_episode_length(name: str) -> int:

@@ -20,16 +20,35 @@ command again (SLURM's ``--requeue`` does) and it resumes from that checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 import os
+import signal
 import sys
-import time
 
-from absl import app, flags
 
-from rljax import checkpoint as ckpt_lib
-from rljax import run_info, runtime
-from rljax.sharding import distributed
+def _exit_preempted_outside_training(signum, frame):
+  """SIGTERM while the trainer's own handler is not installed (imports, flag and environment
+  checks; nothing is saved then): exit 75 at once, so SLURM's requeue runs the command again."""
+  del signum, frame
+  print("preempted by SIGTERM outside the trainer (nothing new to save); exiting with status 75",
+        file=sys.stderr)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  # os._exit, not sys.exit: a handler's SystemExit raised inside a callback (e.g. JAX's gc
+  # callback during imports) is printed and ignored. Nothing is open that needs closing here.
+  os._exit(75)  # trainer.EXIT_PREEMPTED (rljax may not be imported yet)
+
+
+if __name__ == "__main__":  # first, before the imports (several seconds); the trainers
+  signal.signal(signal.SIGTERM, _exit_preempted_outside_training)  # replace it while they run
+
+import dataclasses  # noqa: E402
+import time  # noqa: E402
+
+from absl import app, flags  # noqa: E402
+
+from rljax import checkpoint as ckpt_lib  # noqa: E402
+from rljax import run_info, runtime  # noqa: E402
+from rljax.sharding import distributed  # noqa: E402
 
 ALGOS = ("ppo", "apg")
 _ALGO = flags.DEFINE_string("algo", "ppo", f"Training algorithm: {', '.join(ALGOS)}.")
@@ -61,7 +80,9 @@ _RESUME = flags.DEFINE_bool(
 )
 _SHOW_CONFIG = flags.DEFINE_bool(
     "show_config", False, "Print the run's config (the environment's bundled defaults with "
-    "these flags applied) as JSON and exit, before anything is written or compiled.")
+    "these flags applied) as JSON and exit, before anything is written or compiled. Values are "
+    "as given: num_timesteps before its rounding to whole chunks; batch_size and "
+    "episode_length 0 mean num_envs and the environment's default.")
 
 # One flag per ControlConfig field (except env), defaulting to "use the env's default",
 # and one per APG-only APGConfig field.

@@ -51,8 +51,10 @@ TINY = dict(
          r"gae_per_minibatch needs overlap_value_update=False .* got overlap_value_update=True\.$"),
         # The hint names the bundled defaults only where they set it.
         (dict(env="playground/CheetahRun", gae_per_minibatch=True, overlap_value_update=True),
-         r"got overlap_value_update=True \(playground/CheetahRun's defaults turn it on: "
-         r"--overlap_value_update=false\)\.$"),
+         r"got overlap_value_update=True \(playground/CheetahRun's defaults turn "
+         r"overlap_value_update on; --overlap_value_update=false turns it off\)\.$"),
+        (dict(env="playground/CheetahRun", overlap_value_update=True, max_grad_norm=1.0),
+         r"got max_grad_norm=1.0 \(playground/CheetahRun's defaults turn overlap_value_update on"),
         (dict(gae_per_minibatch=True, num_microbatches=2),
          r"gae_per_minibatch needs num_microbatches=1 .* got num_microbatches=2"),
     ],
@@ -73,6 +75,8 @@ def test_config_rejects_bad_values(kwargs, match):
                                                      "--menagerie_path=PATH"),
         (["--env=playground/Go1JoystickFlatTerrain", "--menagerie_path=/nonexistent/menagerie"],
          "menagerie_path '/nonexistent/menagerie' does not exist"),
+        (["--env=playground/Go1JoystickFlatTerrain", f"--menagerie_path={REPO}"],  # not Menagerie
+         f"{REPO} lacks the MuJoCo Menagerie files playground/Go1JoystickFlatTerrain needs"),
         (["--learning_rate=-1"], "learning_rate must be > 0, got -1.0"),
         (["--mesh=2,1,1"], "mesh data=2 x fsdp=1 x tensor=1 = 2 devices, but 1 device is available"),
         (["--sharding_rules=foo"], "unknown sharding rules preset 'foo'"),
@@ -206,6 +210,14 @@ def test_logdir_outputs_and_load_policy(tmp_path):
   for bad in (jnp.ones((5, 1)), jnp.ones((5, 6)), jnp.ones(())):
     with pytest.raises(ValueError, match=r"expected \[\.\.\., 5\]"):
       policy(bad)
+  # Sampling: the key is required (not a silent fall-back to the mean action), and the
+  # action is tanh of a draw around loc.
+  sampling = trainer.load_policy(logdir, deterministic=False)
+  with pytest.raises(ValueError, match=r"the policy samples, so call it with a PRNG key"):
+    sampling(obs)
+  a1, a2 = (sampling(obs, jax.random.PRNGKey(k)) for k in (1, 2))
+  np.testing.assert_array_equal(a1, sampling(obs, jax.random.PRNGKey(1)))
+  assert not np.allclose(a1, a2) and not np.allclose(a1, jnp.tanh(loc))
   # The config beside the checkpoints gets a plain file's mode (not mkstemp's 0600).
   from rljax import checkpoint as ckpt
 

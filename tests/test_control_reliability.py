@@ -134,6 +134,21 @@ def test_sigterm_during_start_up_exits_75_with_nothing_written(tmp_path):
   assert not os.path.exists(os.path.join(logdir, "metrics.jsonl"))
 
 
+def test_sigterm_during_imports_exits_75(tmp_path):
+  """A SIGTERM in the script's first second (its imports, before the trainer's handler) exits
+  75 at once too, with nothing written."""
+  logdir = str(tmp_path / "run")
+  proc = subprocess.Popen(_cmd(logdir, str(tmp_path / "cache")), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  time.sleep(1.0)
+  proc.send_signal(signal.SIGTERM)
+  _, stderr = proc.communicate(timeout=60)
+  assert proc.returncode == 75, stderr[-3000:]
+  assert "preempted by SIGTERM outside the trainer (nothing new to save); exiting with status 75" \
+      in stderr, stderr[-3000:]
+  assert not os.path.exists(logdir)
+
+
 def _truncate_largest_file(directory):
   files = [os.path.join(d, f) for d, _, fs in os.walk(directory) for f in fs]
   target = max(files, key=os.path.getsize)

@@ -39,6 +39,11 @@ def test_menagerie_env_fails_with_instructions(tmp_path, monkeypatch):
     envs.make("playground/Go1JoystickFlatTerrain")
   with pytest.raises(envs.MenagerieNotFoundError, match="does not exist"):
     envs.make("playground/Go1JoystickFlatTerrain", menagerie_path=str(tmp_path / "nope"))
+  # A folder that is not a Menagerie checkout: named, with the file MuJoCo missed.
+  with pytest.raises(envs.MenagerieNotFoundError,
+                     match=r"lacks the MuJoCo Menagerie files playground/Go1JoystickFlatTerrain "
+                           r"needs \(.*unitree_go1/"):
+    envs.check_assets("playground/Go1JoystickFlatTerrain", menagerie_path=str(tmp_path))
 
 
 def test_truncation_keeps_final_obs_and_matches_playground_wrappers():

@@ -159,14 +159,16 @@ class ControlConfig:
       )
     if self.max_grad_norm is not None and not self.max_grad_norm > 0:
       raise ConfigError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}.")
+    # Where the environment's bundled defaults turn overlap_value_update on, the errors it
+    # causes say so (the user may not have asked for it).
+    hint = (f" ({self.env}'s defaults turn overlap_value_update on; "
+            f"--overlap_value_update=false turns it off)"
+            if _DEFAULTS.get(self.env, {}).get("overlap_value_update") else "")
     if self.overlap_value_update and self.max_grad_norm is not None:
       raise ConfigError(
           f"overlap_value_update needs max_grad_norm=None (a global-norm clip couples the policy "
-          f"and value steps), got max_grad_norm={self.max_grad_norm!r}.")
+          f"and value steps), got max_grad_norm={self.max_grad_norm!r}{hint}.")
     if self.gae_per_minibatch and self.overlap_value_update:
-      # The hint only where the environment's bundled defaults set it (not the user).
-      hint = (f" ({self.env}'s defaults turn it on: --overlap_value_update=false)"
-              if _DEFAULTS.get(self.env, {}).get("overlap_value_update") else "")
       raise ConfigError(
           "gae_per_minibatch needs overlap_value_update=False (the overlapped value update "
           f"trains on advantages computed before it), got overlap_value_update=True{hint}.")

@@ -1260,15 +1260,15 @@ def load_policy(logdir: str, *, step: int | None = None, deterministic: bool = T
 
   Returns:
     ``policy(obs [..., D] float32, key=None) -> actions [..., A]`` in ``[-1, 1]``, jitted;
-    the observation normaliser is applied inside. With ``deterministic=True`` (or no
-    ``key``) the action is ``tanh(loc)`` and a key is ignored; else it is sampled with
-    ``key``.
+    the observation normaliser is applied inside. With ``deterministic=True`` the action is
+    ``tanh(loc)`` and a key is ignored; with ``deterministic=False`` it is sampled with
+    ``key``, which is then required.
 
   Raises:
     FileNotFoundError: no checkpoint or config under ``logdir``.
     ValueError: (when ``policy`` is called) ``obs``'s last axis is not the run's
-      observation size ``D``; a width of 1 would otherwise broadcast silently against the
-      normaliser's ``[D]`` statistics.
+      observation size ``D`` (a width of 1 would otherwise broadcast silently against the
+      normaliser's ``[D]`` statistics); ``deterministic=False`` and no ``key``.
   """
   networks, params, stats = load_params(logdir, step=step)
   obs_size = networks.config.observation_size
@@ -1279,8 +1279,11 @@ def load_policy(logdir: str, *, step: int | None = None, deterministic: bool = T
       raise ValueError(
           f"load_policy({logdir!r}): observations of shape {tuple(obs.shape)}; expected "
           f"[..., {obs_size}] (this run's observation size).")
+    if not deterministic and key is None:
+      raise ValueError(f"load_policy({logdir!r}, deterministic=False): the policy samples, so "
+                       f"call it with a PRNG key: policy(obs, key).")
     loc, scale = policy_apply(networks, params, running_stats.normalize(stats, obs))
-    if deterministic or key is None:
+    if deterministic:
       return jnp.tanh(loc)
     return jnp.tanh(mlp.sample_pre_tanh(key, loc, scale))
 
