@@ -111,25 +111,24 @@ def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference_run, cache, 
   _assert_bitwise_equal(_final_params(logdir), _final_params(reference_run))
 
 
-def test_sigterm_during_start_up_exits_75_with_nothing_written(tmp_path):
-  """A SIGTERM while the environments reset and the programs compile (before the trainer's
-  loop) stops the run with status 75 too, once the compiles end: no checkpoint, no record."""
+def test_sigterm_during_start_up_preempts_with_nothing_written(tmp_path, monkeypatch):
+  """A SIGTERM while the environments build and the programs compile (before the trainer's
+  loop) raises `Preempted` too (the scripts exit 75), once the compiles end: no checkpoint,
+  no record. (Sent to this process right after the trainer is built, as SLURM would.)"""
+  make = trainer.make_trainer
+
+  def make_then_sigterm(*args, **kwargs):
+    built = make(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)  # the handler only sets a flag
+    return built
+
+  monkeypatch.setattr(trainer, "make_trainer", make_then_sigterm)
+  config = ControlConfig(**dict(SETTINGS, num_timesteps=3 * 2 * 16 * 8, num_evals=4))
   logdir = str(tmp_path / "run")
-  # A cache of its own, so start-up compiles (seconds) instead of loading the module's.
-  proc = subprocess.Popen(_cmd(logdir, str(tmp_path / "cache")), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
-  config_json = os.path.join(logdir, "checkpoints", ckpt.CONFIG_FILE)  # written during start-up
-  t0 = time.time()
-  while not os.path.exists(config_json):
-    assert proc.poll() is None, f"training exited early: {proc.communicate()}"
-    assert time.time() - t0 < 240, "no checkpoints/config.json after 240 s"
-    time.sleep(0.05)
-  proc.send_signal(signal.SIGTERM)
-  _, stderr = proc.communicate(timeout=240)
-  assert proc.returncode == trainer.EXIT_PREEMPTED == 75, stderr[-3000:]
-  assert (f"preempted by SIGTERM during start-up, before training; nothing new to checkpoint: "
-          f"the run resumes from the start in {logdir}; exiting with status 75") in stderr, \
-      stderr[-3000:]
+  with pytest.raises(trainer.Preempted) as e:
+    trainer.train(config, logdir, progress=False)
+  assert str(e.value) == (f"preempted by SIGTERM during start-up, before training; nothing new "
+                          f"to checkpoint: the run resumes from the start in {logdir}")
   assert os.listdir(os.path.join(logdir, "checkpoints")) == [ckpt.CONFIG_FILE]
   assert not os.path.exists(os.path.join(logdir, "metrics.jsonl"))
 
