@@ -20,28 +20,14 @@ command again (SLURM's ``--requeue`` does) and it resumes from that checkpoint.
 
 from __future__ import annotations
 
-import os
-import signal
-import sys
-
-
-def _exit_preempted_outside_training(signum, frame):
-  """SIGTERM while the trainer's own handler is not installed (imports, flag and environment
-  checks; nothing is saved then): exit 75 at once, so SLURM's requeue runs the command again."""
-  del signum, frame
-  print("preempted by SIGTERM outside the trainer (nothing new to save); exiting with status 75",
-        file=sys.stderr)
-  sys.stdout.flush()
-  sys.stderr.flush()
-  # os._exit, not sys.exit: a handler's SystemExit raised inside a callback (e.g. JAX's gc
-  # callback during imports) is printed and ignored. Nothing is open that needs closing here.
-  os._exit(75)  # trainer.EXIT_PREEMPTED (rljax may not be imported yet)
-
+from rljax import preemption
 
 if __name__ == "__main__":  # first, before the imports (several seconds); the trainers
-  signal.signal(signal.SIGTERM, _exit_preempted_outside_training)  # replace it while they run
+  preemption.exit_on_early_sigterm()  # replace it while they run
 
 import dataclasses  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 from absl import app, flags  # noqa: E402
@@ -81,8 +67,8 @@ _RESUME = flags.DEFINE_bool(
 _SHOW_CONFIG = flags.DEFINE_bool(
     "show_config", False, "Print the run's config (the environment's bundled defaults with "
     "these flags applied) as JSON and exit, before anything is written or compiled. Values are "
-    "as given: num_timesteps before its rounding to whole chunks; batch_size and "
-    "episode_length 0 mean num_envs and the environment's default.")
+    "as given (batch_size and episode_length 0 mean num_envs and the environment's default); "
+    "a line on stderr says how many env steps num_timesteps rounds up to.")
 
 # One flag per ControlConfig field (except env), defaulting to "use the env's default",
 # and one per APG-only APGConfig field.
@@ -210,7 +196,39 @@ def build_config():
   if apg_only:
     raise ConfigError(
         f"{', '.join('--' + k for k in apg_only)}: APG settings, valid only with --algo=apg.")
-  return default_config(_ENV.value).replace(**overrides)
+  try:
+    return default_config(_ENV.value).replace(**overrides)
+  except ConfigError as e:
+    raise ConfigError(with_defaults_named(str(e), overrides, _ENV.value)) from None
+
+
+def with_defaults_named(message: str, overrides, env: str) -> str:
+  """``message`` plus the values of the ``name=value`` fields it names that the command line did
+  not set, e.g. ``... Not set by a flag: num_envs=256 (playground/CartpoleBalance's default).``"""
+  import re
+
+  from rljax.control.config import default_config
+
+  if "'s defaults" in message:  # the config's own hint names them already
+    return message
+  defaults = dataclasses.asdict(default_config(env))
+  named = dict.fromkeys(n for n in re.findall(r"\b(\w+)=", message) if n in defaults)
+  unset = [f"{n}={defaults[n]!r}" for n in named if n not in overrides]
+  if not unset:
+    return message
+  return (f"{message} Not set by a flag: {', '.join(unset)} ({env}'s "
+          f"default{'s' if len(unset) > 1 else ''}).")
+
+
+def schedule_line(config) -> str:
+  """One line: the chunks, iterations and environment steps a PPO ``config`` trains."""
+  chunks, iterations = config.chunk_schedule
+  per_iteration = config.env_steps_per_iteration
+  repeat = f" x action_repeat {config.action_repeat}" if config.action_repeat > 1 else ""
+  return (f"schedule: {chunks} chunks x {iterations} iterations x {per_iteration:,} env steps "
+          f"({config.segments_per_iteration} segments of {config.unroll_length} steps{repeat}) = "
+          f"{chunks * iterations * per_iteration:,} env steps (num_timesteps="
+          f"{config.num_timesteps:,} rounded up to whole chunks), {config.num_evals} evaluations")
 
 
 def video_options():
@@ -272,7 +290,12 @@ def main(argv):
     config = build_config()  # validates before anything compiles
     if _SHOW_CONFIG.value:
       print(config.to_json())
+      if _ALGO.value == "ppo":  # how num_timesteps is run, on stderr: stdout stays JSON
+        print(schedule_line(config), file=sys.stderr)
       return 0
+    if config.num_evals == 1:
+      runtime.primary_print("note: num_evals=1 acts as 2, as Brax's does: one evaluation before "
+                            "training and one after it")
     if _ALGO.value == "apg" and _MESH.value is not None:
       raise ValueError("--mesh is not supported with --algo=apg (APG runs on one device).")
     mesh = build_mesh(config) if _ALGO.value == "ppo" else None

@@ -27,22 +27,28 @@ status 2 and one line (--verbose for a traceback).
 Checkpoints (rljax.alignment.checkpointing): every --checkpoint_every RL steps; running the same
 command with the same --logdir resumes exactly. Exit status: 0 done; 2 bad input; 3 halted on a
 non-finite reward, loss or gradient (--nonfinite=halt; the last good state is checkpointed); 75
-(EXIT_PREEMPTED) stopped by SIGTERM after writing a checkpoint: run the same command again.
+(EXIT_PREEMPTED) stopped by SIGTERM after writing a checkpoint (or, from the first line until the
+trainer's handler is installed, with nothing new to save): run the same command again.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import os
-import sys
-import time
+from rljax import preemption
 
-from absl import app, flags
+if __name__ == "__main__":  # first, before the imports (several seconds); the trainer's own
+  preemption.exit_on_early_sigterm()  # handler replaces it while it runs
 
-from rljax import checkpoint as ckpt_lib
-from rljax import run_info, runtime
-from rljax.alignment import flags as alignment_flags
+import dataclasses  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+from absl import app, flags  # noqa: E402
+
+from rljax import checkpoint as ckpt_lib  # noqa: E402
+from rljax import run_info, runtime  # noqa: E402
+from rljax.alignment import flags as alignment_flags  # noqa: E402
 
 _ALGOS = ("ppo", "grpo", "rloo", "reinforce_pp")
 # --preference_data, --logdir, --num_steps, --pretrain_steps, --limit, --seed, --verbose, --mesh,

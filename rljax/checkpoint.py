@@ -25,11 +25,13 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from rljax import preemption
+
 CONFIG_FILE = "config.json"
 
 # Exit status of a run stopped by SIGTERM (SLURM preemption) after checkpointing:
 # EX_TEMPFAIL from sysexits.h, "try again later". Shared by the control and RLHF scripts.
-EXIT_PREEMPTED = 75
+EXIT_PREEMPTED = preemption.EXIT_PREEMPTED
 # Exit status of a run stopped by a non-finite value with ``nonfinite="halt"``.
 EXIT_NONFINITE = 3
 
@@ -245,6 +247,16 @@ def _set_aside(manager: ocp.CheckpointManager, steps: list[int], log: Callable[[
     manager.reload()
 
 
+def check_step_kept(logdir: str, step: int, kept) -> None:
+  """Raises FileNotFoundError naming the ``kept`` steps unless ``step`` is one of them."""
+  kept = sorted(kept)
+  if step not in kept:
+    raise FileNotFoundError(
+        f"No checkpoint of step {step!r} under {checkpoint_dir(logdir)}; it holds "
+        f"{'steps ' + ', '.join(map(str, kept)) if kept else 'none'} (runs keep the newest "
+        f"keep_checkpoints; step=None loads the newest).")
+
+
 def restore_policy(logdir: str, target: Any, step: int | None = None) -> Any:
   """Restores only the ``policy`` item into the structure of ``target`` (abstract ok).
 
@@ -253,9 +265,11 @@ def restore_policy(logdir: str, target: Any, step: int | None = None) -> Any:
   the checkpoint (a policy trained on 8 devices or 2 processes loads in a 1-device process).
 
   Raises:
-    FileNotFoundError: if there is no checkpoint under ``logdir``.
+    FileNotFoundError: if there is no checkpoint under ``logdir``, or none of ``step``.
   """
   with ocp.CheckpointManager(checkpoint_dir(logdir), item_names=("policy", "train_state")) as m:
+    if step is not None:
+      check_step_kept(logdir, step, m.all_steps())
     step = m.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"No checkpoint under {checkpoint_dir(logdir)}.")
@@ -280,13 +294,16 @@ def read_items(logdir: str, step: int | None = None,
   topology wrote them). For inspection, export and tests.
 
   Raises:
-    FileNotFoundError: no checkpoint under ``logdir`` (or not ``step``).
+    FileNotFoundError: no checkpoint under ``logdir`` (or none of ``step``: the message lists
+      the kept steps).
   """
-  if step is None:
-    with ocp.CheckpointManager(checkpoint_dir(logdir), item_names=items) as m:
-      step = m.latest_step()
+  with ocp.CheckpointManager(checkpoint_dir(logdir), item_names=items) as m:
     if step is None:
-      raise FileNotFoundError(f"No checkpoint under {checkpoint_dir(logdir)}.")
+      step = m.latest_step()
+    else:
+      check_step_kept(logdir, step, m.all_steps())
+  if step is None:
+    raise FileNotFoundError(f"No checkpoint under {checkpoint_dir(logdir)}.")
   out = {}
   with ocp.PyTreeCheckpointer() as c:
     for item in items:

@@ -37,10 +37,14 @@ TINY = dict(
         (dict(num_envs=0), "num_envs must be a positive integer, got 0"),
         (dict(num_envs=-4), "num_envs must be a positive integer, got -4"),
         (dict(num_envs=16, batch_size=48, num_minibatches=5),
-         "batch_size=48 is not divisible by num_minibatches=5"),
+         r"the batch of 48 segments \(batch_size=48\) is not divisible by num_minibatches=5\.$"),
+        (dict(num_envs=16, num_minibatches=5),  # batch_size=0: the batch is num_envs
+         r"the batch of 16 segments \(num_envs=16, as batch_size=0\) is not divisible by "
+         r"num_minibatches=5\.$"),
         (dict(num_envs=16, batch_size=40), "batch_size=40 must be a multiple of num_envs=16"),
         (dict(num_envs=16, batch_size=48, num_minibatches=4, num_microbatches=5),
-         r"the 12 segments of a minibatch .* not divisible by num_microbatches=5"),
+         r"a minibatch of 12 segments is not divisible by num_microbatches=5: 48 segments a batch "
+         r"\(batch_size=48\) over num_minibatches=4\.$"),
         (dict(num_microbatches=0), "num_microbatches must be a positive integer, got 0"),
         (dict(learning_rate=0.0), "learning_rate must be > 0, got 0.0"),
         (dict(init_std=0.001), r"init_std must be > 0.001 \(the policy's min_std\), got 0.001"),
@@ -64,11 +68,28 @@ def test_config_rejects_bad_values(kwargs, match):
     ControlConfig(**kwargs)
 
 
+def test_script_says_num_evals_1_acts_as_2(tmp_path):
+  # With a bad --mesh after it, so that nothing trains: the note comes before any run.
+  out = subprocess.run([sys.executable, SCRIPT, f"--logdir={tmp_path}/run", "--num_evals=1",
+                        "--mesh=2,1,1"], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 2, out.stderr
+  assert out.stdout == ("note: num_evals=1 acts as 2, as Brax's does: one evaluation before "
+                        "training and one after it\n")
+
+
 @pytest.mark.parametrize(
     "flags, match",
     [
         (["--num_envs=0"], "num_envs must be a positive integer, got 0"),
-        (["--num_envs=16", "--num_minibatches=3"], "batch_size=16 is not divisible by num_minibatches=3"),
+        # Values the flags did not set are named as the environment's defaults.
+        (["--num_envs=16", "--num_minibatches=3"],
+         "error: the batch of 16 segments (num_envs=16, as batch_size=0) is not divisible by "
+         "num_minibatches=3. Not set by a flag: batch_size=0 (playground/CartpoleBalance's "
+         "default).\n"),
+        (["--num_microbatches=3"],
+         "error: a minibatch of 64 segments is not divisible by num_microbatches=3: 256 segments a "
+         "batch (num_envs=256, as batch_size=0) over num_minibatches=4. Not set by a flag: "
+         "num_envs=256, batch_size=0, num_minibatches=4 (playground/CartpoleBalance's defaults).\n"),
         (["--env=playground/CartpoleBalanse"], "Did you mean: playground/CartpoleBalance"),
         # Menagerie-backed (no checkout here or in CI): one line saying how to point at one.
         (["--env=playground/Go1JoystickFlatTerrain"], "set $MUJOCO_MENAGERIE_PATH=PATH (or pass "
@@ -103,6 +124,11 @@ def test_show_config_prints_the_env_defaults_with_the_flags_and_writes_nothing(t
   shown = ControlConfig.from_json(out.stdout)
   assert shown == default_config("brax/ant").replace(num_envs=128)
   assert (shown.num_timesteps, shown.learning_rate, shown.gamma) == (6_000_000, 3e-4, 0.97)
+  # 128 envs x 16 steps = 2,048 env steps an iteration; ceil(6e6 / 2,048) = 2,930 iterations
+  # over 9 chunks (10 evaluations) -> ceil(2,930 / 9) = 326 a chunk: 9 x 326 x 2,048 steps.
+  assert out.stderr.strip().splitlines()[-1] == (
+      "schedule: 9 chunks x 326 iterations x 2,048 env steps (128 segments of 16 steps) = "
+      "6,008,832 env steps (num_timesteps=6,000,000 rounded up to whole chunks), 10 evaluations")
   assert not os.path.exists(tmp_path / "run")
 
 
@@ -218,8 +244,18 @@ def test_logdir_outputs_and_load_policy(tmp_path):
   a1, a2 = (sampling(obs, jax.random.PRNGKey(k)) for k in (1, 2))
   np.testing.assert_array_equal(a1, sampling(obs, jax.random.PRNGKey(1)))
   assert not np.allclose(a1, a2) and not np.allclose(a1, jnp.tanh(loc))
-  # The config beside the checkpoints gets a plain file's mode (not mkstemp's 0600).
+  # An earlier kept step loads; one not kept is refused, naming the kept ones.
   from rljax import checkpoint as ckpt
+
+  kept = sorted(int(d) for d in os.listdir(os.path.join(logdir, "checkpoints")) if d.isdigit())
+  assert kept == [1, 2]
+  assert not np.allclose(trainer.load_policy(logdir, step=1)(obs), policy(obs))
+  with pytest.raises(FileNotFoundError, match=r"No checkpoint of step 7 under .*; it holds "
+                                              r"steps 1, 2 \(runs keep the newest"):
+    trainer.load_policy(logdir, step=7)
+  with pytest.raises(FileNotFoundError, match=r"No checkpoint of step 0 .* holds steps 1, 2"):
+    ckpt.read_items(logdir, step=0)
+  # The config beside the checkpoints gets a plain file's mode (not mkstemp's 0600).
 
   mode = os.stat(os.path.join(logdir, "checkpoints/config.json")).st_mode & 0o777
   assert mode == 0o666 & ~ckpt.current_umask()

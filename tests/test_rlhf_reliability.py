@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from rljax import checkpoint as ckpt
+from rljax import preemption
 from rljax.alignment import checkpointing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -120,6 +121,20 @@ def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference_run, cache, 
   assert _rl_records(logdir) == _rl_records(reference_run)
 
 
+def test_sigterm_during_imports_exits_75(tmp_path):
+  """A SIGTERM in the script's first second (its imports, before the trainer's handler) exits
+  75 at once (what rlhf.sbatch requeues; Python's default would be 143), with nothing written."""
+  logdir = str(tmp_path / "run")
+  proc = subprocess.Popen(_cmd(logdir, str(tmp_path / "cache")), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  time.sleep(1.0)
+  proc.send_signal(signal.SIGTERM)
+  _, stderr = proc.communicate(timeout=60)
+  assert proc.returncode == 75, stderr[-3000:]
+  assert stderr.strip().splitlines()[-1] == preemption.EARLY_SIGTERM_MESSAGE, stderr[-3000:]
+  assert not os.path.exists(logdir)
+
+
 def _truncate_largest_file(directory):
   files = [os.path.join(d, f) for d, _, fs in os.walk(directory) for f in fs]
   target = max(files, key=os.path.getsize)
@@ -203,3 +218,45 @@ def test_same_seed_gives_identical_rollouts_and_metrics():
   assert recs_a == recs_b
   assert not np.array_equal(tok_a[0], tok_a[1])  # the key stream advanced between steps
   _assert_items_equal(items_a, items_b)
+
+
+def test_sigterm_during_sft_checkpoints_rl_step_0_and_resumes_exactly(tmp_path, monkeypatch):
+  """A SIGTERM while SFT trains (in-process, as the script's flag sees it) takes effect when
+  RL starts: the SFT model is in ``<logdir>/frozen``, RL step 0 is checkpointed, and the rerun
+  loads both (no SFT again) and ends equal to an uninterrupted run."""
+  from rljax.alignment import pipeline, sft
+
+  config = pipeline.EmbeddedConfig(
+      pretrain_steps=3, sft_steps=2, batch_size=8, num_eval_prompts=0,
+      rl=pipeline.default_rl_config("ppo", num_steps=2, prompts_per_step=8))
+  reference = str(tmp_path / "reference")
+  pipeline.run_embedded(config, logdir=reference, log=lambda *_: None)
+
+  train_sft = sft.train_sft
+  calls = []
+
+  def train_sft_then_sigterm(*args, **kwargs):
+    calls.append(kwargs.get("prefix"))
+    out = train_sft(*args, **kwargs)
+    if kwargs.get("prefix") == "sft/":
+      os.kill(os.getpid(), signal.SIGTERM)  # the flag's handler only sets it
+    return out
+
+  monkeypatch.setattr(sft, "train_sft", train_sft_then_sigterm)
+  logdir = str(tmp_path / "run")
+  with ckpt.SigtermFlag() as flag, pytest.raises(checkpointing.Preempted) as e:
+    pipeline.run_embedded(config, logdir=logdir, log=lambda *_: None, sigterm=flag)
+  assert e.value.step == 0 and calls == ["pretrain/", "sft/"]
+  assert os.path.isdir(checkpointing.frozen_dir(logdir))
+  assert sorted(d for d in os.listdir(os.path.join(logdir, "checkpoints")) if d.isdigit()) == ["0"]
+
+  lines = []
+  s = pipeline.run_embedded(config, logdir=logdir, log=lines.append)
+  assert calls == ["pretrain/", "sft/"], "the rerun trained SFT again"
+  assert s["resumed_from"] == 0
+  assert f"loaded the SFT model from {checkpointing.frozen_dir(logdir)}" in lines
+  for item_run, item_ref in zip(checkpointing.load_state_items(logdir)[1:],
+                                checkpointing.load_state_items(reference)[1:]):
+    assert item_run.keys() == item_ref.keys()
+    for k in item_ref:
+      np.testing.assert_array_equal(item_run[k], item_ref[k], err_msg=k)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 from rljax.models.mlp import BRAX_INIT_STD as _BRAX_INIT_STD
@@ -188,6 +189,9 @@ class ControlConfig:
     object.__setattr__(self, "value_hidden", tuple(self.value_hidden))
     object.__setattr__(self, "env_kwargs", tuple(tuple(kv) for kv in self.env_kwargs))
     batch = self.segments_per_iteration
+    # batch_size=0 means one segment per environment: name num_envs as the batch's source.
+    batch_src = (f"batch_size={batch}" if self.batch_size else
+                 f"num_envs={self.num_envs}, as batch_size=0")
     if batch % self.num_envs:
       raise ConfigError(
           f"batch_size={batch} must be a multiple of num_envs={self.num_envs} "
@@ -195,13 +199,14 @@ class ControlConfig:
       )
     if batch % self.num_minibatches:
       raise ConfigError(
-          f"batch_size={batch} is not divisible by num_minibatches={self.num_minibatches}."
+          f"the batch of {batch} segments ({batch_src}) is not divisible by "
+          f"num_minibatches={self.num_minibatches}."
       )
     if (batch // self.num_minibatches) % self.num_microbatches:
       raise ConfigError(
-          f"the {batch // self.num_minibatches} segments of a minibatch (batch_size={batch} / "
-          f"num_minibatches={self.num_minibatches}) are not divisible by "
-          f"num_microbatches={self.num_microbatches}."
+          f"a minibatch of {batch // self.num_minibatches} segments is not divisible by "
+          f"num_microbatches={self.num_microbatches}: {batch} segments a batch ({batch_src}) "
+          f"over num_minibatches={self.num_minibatches}."
       )
     self.ppo  # validates the PPO fields
 
@@ -220,6 +225,15 @@ class ControlConfig:
   def env_steps_per_iteration(self) -> int:
     """Environment steps per iteration, action repeats counted (Brax's convention)."""
     return self.segments_per_iteration * self.unroll_length * self.action_repeat
+
+  @property
+  def chunk_schedule(self) -> tuple[int, int]:
+    """``(num_chunks, iterations_per_chunk)``: ``max(num_evals - 1, 1)`` training chunks of
+    one whole number of iterations, enough for ``num_timesteps`` (rounded up); the run trains
+    ``num_chunks * iterations_per_chunk * env_steps_per_iteration`` environment steps."""
+    num_chunks = max(self.num_evals - 1, 1)
+    total_iterations = max(math.ceil(self.num_timesteps / self.env_steps_per_iteration), 1)
+    return num_chunks, max(math.ceil(total_iterations / num_chunks), 1)
 
   @property
   def ppo(self) -> PPOConfig:

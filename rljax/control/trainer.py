@@ -642,9 +642,7 @@ def make_trainer(
   eval_env = brax_training.EvalWrapper(
       envs.wrap_for_training(env, episode_length=episode_length, action_repeat=config.action_repeat)
   )
-  num_chunks = max(config.num_evals - 1, 1)
-  total_iterations = max(math.ceil(config.num_timesteps / config.env_steps_per_iteration), 1)
-  iterations_per_chunk = max(math.ceil(total_iterations / num_chunks), 1)
+  num_chunks, iterations_per_chunk = config.chunk_schedule
   if params_key is None:
     params_key = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)
   networks, params = make_networks(config, env, params_key)
