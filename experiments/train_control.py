@@ -314,14 +314,17 @@ def main(argv):
     from rljax.checkpoint import check_writable
 
     check_writable(logdir)
+    # A refused resume (another config, or --noresume on a run) leaves run_info.json as it was.
+    from rljax.control import trainer
+
+    trainer.check_logdir(logdir, config, resume=_RESUME.value,
+                         section="apg" if _ALGO.value == "apg" else "control")
     if _RESUME.value:  # a mesh that cannot hold the saved state fails here, before building
       ckpt_lib.check_fits(logdir, num_devices=mesh.size if mesh is not None else 1,
                           device_bytes=ckpt_lib.device_bytes_from_flag(_DEVICE_MEMORY.value))
     run_info.start_run(logdir, config, use_wandb=_WANDB.value, extra={"algo": _ALGO.value})
     if _CACHE.value:
       runtime.enable_compilation_cache(_CACHE_DIR.value)
-    from rljax.control import trainer
-
     try:
       if _ALGO.value == "apg":
         from rljax.control import apg

@@ -205,7 +205,7 @@ def main(argv):
     if _PPS.value is not None:
       overrides["prompts_per_step"] = alignment_flags.checked(_PPS, at_least=1)
     data = _F.preference_data.value
-    _F.data.check_data(data)
+    _F.check_data(data)
     if data is None:
       rl = pipeline.default_rl_config(_ALGO.value, **overrides)
       rl = with_ppo_flags(rl)
@@ -224,6 +224,8 @@ def main(argv):
     pipeline.check_placement(placement, rl=config.rl,
                              batch_sizes={"batch_size": config.batch_size})  # before compiling
     check_writable(logdir)
+    # A refused resume (another config, or --noresume on a run) leaves run_info.json as it was.
+    pipeline.check_logdir(config, logdir, data=data, resume=_RESUME.value)
     if _RESUME.value:  # a mesh that cannot hold the saved state fails here, before building
       import jax
 
@@ -244,7 +246,7 @@ def main(argv):
     with ckpt.SigtermFlag() as sigterm:
       try:
         return report(pipeline, config, logdir, sigterm=sigterm, **ckpt_kw)
-      except checkpointing.Preempted as e:
+      except (checkpointing.Preempted, checkpointing.StageInterrupted) as e:
         print(f"{e}; exiting with status {ckpt.EXIT_PREEMPTED}", file=sys.stderr)
         return ckpt.EXIT_PREEMPTED
       except checkpointing.rlhf.NonFiniteHalt as e:  # exit status 3, as train_control.py

@@ -37,7 +37,7 @@ def main(argv):
     logdir = _F.resolved_logdir(time.strftime("%Y%m%d-%H%M%S"))
     steps = _F.checked_num_steps()
     data = _F.preference_data.value
-    _F.data.check_data(data)
+    _F.check_data(data)
     if data is None:
       cfg = _F.with_pretrain_steps(pipeline.EmbeddedConfig(seed=_F.seed.value))
       if steps is not None:

@@ -79,8 +79,10 @@ def hf_models(tmp_path_factory):
 
 
 def _snapshot(logdir):
+  """Every file under ``logdir`` (run_info.json included: a refused command must not rewrite
+  it) with its bytes."""
   out = {}
-  for d, _, files in os.walk(logdir / "checkpoints"):
+  for d, _, files in os.walk(logdir):
     for f in files:
       p = os.path.join(d, f)
       out[p] = open(p, "rb").read()
@@ -173,6 +175,11 @@ def _cases(tmp_path, existing, hf=None):
                                 "--sft_steps must be >= 0, got -2"),
       "lr_not_positive": ("train_sft.py", [f"--preference_data={good}", "--lr=0", n],
                           "--lr must be > 0, got 0.0"),
+      "limit_without_data": ("train_rlhf.py", ["--limit=10", n],
+                             "--limit applies to --preference_data runs only (the embedded "
+                             "addition task reads no preference pairs); got --limit=10"),
+      "max_prompt_len_without_data": ("train_sft.py", ["--max_prompt_len=32", n],
+                                      "--max_prompt_len applies to --preference_data runs only"),
       "rm_lr_without_data": ("train_rlhf.py", ["--rm_lr=1e-5", e],
                              "--rm_lr applies to --preference_data runs only"),
       "critic_lr_without_critic": ("train_rlhf.py", ["--algo=grpo", "--critic_lr=1e-5", e],
@@ -234,7 +241,8 @@ CASES = ["unknown_algo", "logdir_not_writable", "malformed_json", "invalid_utf8"
          "sft_pretrain_steps_negative", "rlhf_pretrain_steps_negative", "rm_sft_steps_negative",
          "rm_steps_without_data", "eval_prompts_with_data", "embedded_sft_steps_negative",
          "rm_margin_negative",
-         "lr_not_positive", "rm_lr_without_data",
+         "lr_not_positive", "rm_lr_without_data", "limit_without_data",
+         "max_prompt_len_without_data",
          "critic_lr_without_critic",
          "existing_run_without_resume",
          "checkpoint_every", "model_unsupported_type", "model_tensor_shape_mismatch",

@@ -68,6 +68,27 @@ def test_config_rejects_bad_values(kwargs, match):
     ControlConfig(**kwargs)
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--noresume"], "already holds checkpoints (step 3); resume it (--resume) or use a new "
+                     "--logdir (its checkpoints are left untouched)."),
+    (["--num_envs=128"], "holds a run with a different config (num_envs: saved 256, now 128)"),
+])
+def test_script_refuses_a_run_it_cannot_resume_and_leaves_it_as_it_was(flags, message, tmp_path):
+  """--noresume on a run, or another config: exit 2 before run_info.json is rewritten."""
+  logdir = tmp_path / "run"
+  (logdir / "checkpoints" / "3").mkdir(parents=True)
+  config = default_config("playground/CartpoleBalance")
+  (logdir / "checkpoints" / "config.json").write_text(
+      json.dumps({"control": json.loads(config.to_json())}))
+  (logdir / "run_info.json").write_text('{"argv": ["the first command"]}')
+  before = {p: p.read_bytes() for p in logdir.rglob("*") if p.is_file()}
+  out = subprocess.run([sys.executable, SCRIPT, f"--logdir={logdir}", *flags],
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 2, out.stderr
+  assert message in out.stderr.strip().splitlines()[-1], out.stderr
+  assert {p: p.read_bytes() for p in logdir.rglob("*") if p.is_file()} == before
+
+
 def test_script_says_num_evals_1_acts_as_2(tmp_path):
   # With a bad --mesh after it, so that nothing trains: the note comes before any run.
   out = subprocess.run([sys.executable, SCRIPT, f"--logdir={tmp_path}/run", "--num_evals=1",
@@ -143,23 +164,24 @@ def test_resume_check_treats_fields_added_later_as_their_defaults(tmp_path):
   saved = json.loads(ControlConfig(**TINY).to_json())
   for k in ("init_std", "policy_init_scale", "obs_stats_before_update"):
     del saved[k]
-  os.makedirs(ckpt.checkpoint_dir(str(tmp_path)))
+  os.makedirs(os.path.join(ckpt.checkpoint_dir(str(tmp_path)), "1"))  # a saved chunk
   ckpt.write_json_atomic(os.path.join(ckpt.checkpoint_dir(str(tmp_path)), ckpt.CONFIG_FILE),
                          {"control": saved})
-  trainer._check_same_config(str(tmp_path), ControlConfig(**TINY))
+  assert trainer.check_logdir(str(tmp_path), ControlConfig(**TINY), resume=True) == 1
   with pytest.raises(ValueError, match=r"different config \(policy_init_scale: not saved, so "
                                       r"the default 0.01, now 1.0\)"):
-    trainer._check_same_config(str(tmp_path), ControlConfig(**TINY, policy_init_scale=1.0))
+    trainer.check_logdir(str(tmp_path), ControlConfig(**TINY, policy_init_scale=1.0), resume=True)
   # The implied values are the generic defaults the run had, not today's per-env defaults:
   # an old brax/ant run (trained with 1.0 / 0.01) is refused under ant's new defaults.
   ant = default_config("brax/ant").replace(**{k: v for k, v in TINY.items() if k != "env"})
   with pytest.raises(ValueError, match=r"init_std: not saved, so the default 1.0, now 0.694"):
-    trainer._check_same_config(str(tmp_path), ant)
+    trainer.check_logdir(str(tmp_path), ant, resume=True)
   with pytest.raises(ValueError, match=r"different config \(seed: saved 0, now 1\)"):
-    trainer._check_same_config(str(tmp_path), ControlConfig(**TINY, seed=1))
+    trainer.check_logdir(str(tmp_path), ControlConfig(**TINY, seed=1), resume=True)
   with pytest.raises(ValueError, match=r"obs_stats_before_update: not saved, so the default "
                                       r"False, now True"):
-    trainer._check_same_config(str(tmp_path), ControlConfig(**TINY, obs_stats_before_update=True))
+    trainer.check_logdir(str(tmp_path), ControlConfig(**TINY, obs_stats_before_update=True),
+                         resume=True)
 
 
 def test_make_networks_uses_the_policy_initialisation():

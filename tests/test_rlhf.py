@@ -210,3 +210,34 @@ def test_embedded_default_raises_reward():
   assert s["reward_last"] >= s["reward_first"] + 0.1, (s["reward_first"], s["reward_last"])
   assert s["accuracy_after"] > s["accuracy_before"]
   assert s["kl_last"] < 5.0  # bounded: the KL penalty keeps the policy near the SFT model
+
+
+def test_sft_and_reward_model_stages_stop_when_asked():
+  """``should_stop`` (the scripts pass their SIGTERM flag) is asked before every step: SFT and
+  the reward model raise `Interrupted` naming the stage and the steps done."""
+  from rljax.alignment import reward_model as rm_lib
+  from rljax.alignment import sft
+
+  texts = ["1+2=", "3+4=", "5+6=", "7+8="]
+  examples = [(TOK.encode(p), TOK.encode("3", add_special_tokens=False) + [TOK.EOS])
+              for p in texts]
+  pairs = [(p, r, TOK.encode("9", add_special_tokens=False) + [TOK.EOS]) for p, r in examples]
+  asked = []
+
+  def stop_after(n):
+    def should_stop():
+      asked.append(1)
+      return len(asked) > n
+    return should_stop
+
+  model = DecoderLM(pipeline.tiny_lm_config(TOK.vocab_size, hidden_size=16, num_layers=1),
+                    rngs=nnx.Rngs(0))
+  with pytest.raises(sft.Interrupted, match=r"^preempted by SIGTERM during sft \(after step 2 "
+                                            r"of 5\), before RL"):
+    sft.train_sft(model, examples, sft.SFTConfig(num_steps=5, batch_size=2), pad_id=TOK.PAD,
+                  should_stop=stop_after(2))
+  asked.clear()
+  with pytest.raises(sft.Interrupted, match=r"during rm \(after step 0 of 3\)") as e:
+    rm_lib.train_reward_model(model, pairs, rm_lib.RewardModelConfig(num_steps=3, batch_size=2),
+                              pad_id=TOK.PAD, should_stop=stop_after(0))
+  assert (e.value.stage, e.value.step, e.value.num_steps) == ("rm", 0, 3)

@@ -220,10 +220,12 @@ def test_same_seed_gives_identical_rollouts_and_metrics():
   _assert_items_equal(items_a, items_b)
 
 
-def test_sigterm_during_sft_checkpoints_rl_step_0_and_resumes_exactly(tmp_path, monkeypatch):
-  """A SIGTERM while SFT trains (in-process, as the script's flag sees it) takes effect when
-  RL starts: the SFT model is in ``<logdir>/frozen``, RL step 0 is checkpointed, and the rerun
-  loads both (no SFT again) and ends equal to an uninterrupted run."""
+def test_sigterm_in_sft_stops_it_and_after_sft_checkpoints_rl_step_0(tmp_path, monkeypatch):
+  """In-process, as the script's SIGTERM flag sees it. A SIGTERM during SFT stops it at the
+  next step (`StageInterrupted`, exit 75 in the script; the stages before RL are not
+  checkpointed). One after SFT takes effect when RL starts: the SFT model is in
+  ``<logdir>/frozen``, RL step 0 is checkpointed, and the rerun loads both (no SFT again) and
+  ends equal to an uninterrupted run."""
   from rljax.alignment import pipeline, sft
 
   config = pipeline.EmbeddedConfig(
@@ -231,6 +233,32 @@ def test_sigterm_during_sft_checkpoints_rl_step_0_and_resumes_exactly(tmp_path, 
       rl=pipeline.default_rl_config("ppo", num_steps=2, prompts_per_step=8))
   reference = str(tmp_path / "reference")
   pipeline.run_embedded(config, logdir=reference, log=lambda *_: None)
+  logdir = str(tmp_path / "run")
+
+  check_stop = sft.check_stop
+  steps_run = []
+
+  def sigterm_at_sft_step_1(should_stop, prefix, step, num_steps):
+    steps_run.append((prefix, step))
+    if (prefix, step) == ("sft/", 1):
+      os.kill(os.getpid(), signal.SIGTERM)  # the flag's handler only sets it
+    check_stop(should_stop, prefix, step, num_steps)
+
+  monkeypatch.setattr(sft, "check_stop", sigterm_at_sft_step_1)
+  with ckpt.SigtermFlag() as flag, pytest.raises(checkpointing.StageInterrupted) as e:
+    pipeline.run_embedded(config, logdir=logdir, log=lambda *_: None, sigterm=flag)
+  assert str(e.value) == ("preempted by SIGTERM during sft (after step 1 of 2), before RL: the "
+                          "stages before RL are not checkpointed, so the same command trains "
+                          "them again")
+  assert steps_run[-1] == ("sft/", 1) and not checkpointing.has_frozen(logdir)
+  assert ckpt.newest_step(logdir) is None
+  monkeypatch.setattr(sft, "check_stop", check_stop)
+  from rljax.metrics import read_jsonl
+
+  def stage_steps():
+    return [(r["stage"], r["step"]) for r in read_jsonl(os.path.join(logdir, "metrics.jsonl"))]
+
+  assert stage_steps()[-1] == ("sft", 1)  # the interrupted start's records
 
   train_sft = sft.train_sft
   calls = []
@@ -239,14 +267,16 @@ def test_sigterm_during_sft_checkpoints_rl_step_0_and_resumes_exactly(tmp_path, 
     calls.append(kwargs.get("prefix"))
     out = train_sft(*args, **kwargs)
     if kwargs.get("prefix") == "sft/":
-      os.kill(os.getpid(), signal.SIGTERM)  # the flag's handler only sets it
+      os.kill(os.getpid(), signal.SIGTERM)
     return out
 
   monkeypatch.setattr(sft, "train_sft", train_sft_then_sigterm)
-  logdir = str(tmp_path / "run")
   with ckpt.SigtermFlag() as flag, pytest.raises(checkpointing.Preempted) as e:
     pipeline.run_embedded(config, logdir=logdir, log=lambda *_: None, sigterm=flag)
   assert e.value.step == 0 and calls == ["pretrain/", "sft/"]
+  # The interrupted start's records were dropped when this start began: each stage logged once.
+  assert stage_steps() == [("pretrain", 1), ("pretrain", 2), ("pretrain", 3), ("sft", 1),
+                           ("sft", 2)], stage_steps()
   assert os.path.isdir(checkpointing.frozen_dir(logdir))
   assert sorted(d for d in os.listdir(os.path.join(logdir, "checkpoints")) if d.isdigit()) == ["0"]
 

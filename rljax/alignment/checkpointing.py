@@ -47,7 +47,7 @@ from flax import nnx
 from rljax import checkpoint as ckpt
 from rljax import kl as kl_lib
 from rljax import ppo, runtime
-from rljax.alignment import rlhf
+from rljax.alignment import rlhf, sft
 from rljax.envs.text import data as text_data
 
 EXIT_PREEMPTED = ckpt.EXIT_PREEMPTED
@@ -64,6 +64,10 @@ class Preempted(Exception):
     super().__init__(f"preempted by SIGTERM; checkpointed step {step} in {logdir}")
     self.step = step
 
+
+# A SIGTERM during the stages before RL (pre-training, SFT, reward model) stops them at the next
+# step with this (the scripts exit 75 too); nothing of those stages is saved.
+StageInterrupted = sft.Interrupted
 
 config_to_json = ckpt.config_to_json  # a (nested) config as JSON: enums by value, tuples lists
 
@@ -178,6 +182,23 @@ def load_frozen(logdir: str, models: dict[str, nnx.Module]) -> dict[str, Any]:
 # ---- resume checks and the host loop ------------------------------------------------------------
 
 
+def check_logdir(logdir: str, section: str, config_json: dict[str, Any], *, resume: bool,
+                 defaults: dict[str, Any] | None = None) -> None:
+  """`prepare`'s checks alone, writing nothing (the scripts run them before ``run_info.json``
+  is written, so that a refused command leaves the run's folder as it was).
+
+  Raises:
+    ValueError: ``logdir`` holds RLHF state (frozen roles or RL checkpoints) and ``resume`` is
+      False, or its saved config differs from ``config_json`` (see `prepare`).
+  """
+  exists = has_frozen(logdir) or ckpt.newest_step(logdir) is not None
+  if exists and not resume:
+    raise ValueError(f"--logdir {logdir!r} already holds an RLHF run; pass --resume to continue "
+                     f"it or use a new --logdir (its checkpoints are left untouched).")
+  if resume and exists:
+    ckpt.check_same_config(logdir, section, config_json, defaults)
+
+
 def prepare(logdir: str, section: str, config_json: dict[str, Any], *, resume: bool,
             defaults: dict[str, Any] | None = None) -> bool:
   """Checks ``logdir`` before anything is built or compiled; returns whether to resume.
@@ -188,7 +209,8 @@ def prepare(logdir: str, section: str, config_json: dict[str, Any], *, resume: b
   :func:`rljax.checkpoint.dataclass_defaults` of the config class). A config saved by a run
   that stopped before saving any state (e.g. on bad input) does not bind the next one. Without
   ``resume``, a ``logdir`` that already holds RLHF state is refused (its checkpoints are left
-  untouched). Then the config is written to ``<logdir>/checkpoints/config.json``.
+  untouched). Then the config is written to ``<logdir>/checkpoints/config.json``; on a fresh
+  start the records of an earlier start that saved no state are dropped from ``metrics.jsonl``.
 
   Returns:
     True when ``resume`` and the frozen roles are saved (the RL stage can start from them).
@@ -196,18 +218,15 @@ def prepare(logdir: str, section: str, config_json: dict[str, Any], *, resume: b
   Raises:
     ValueError: config mismatch, or existing state without ``resume``.
   """
-  exists = has_frozen(logdir) or ckpt.newest_step(logdir) is not None
-  if exists and not resume:
-    raise ValueError(f"--logdir {logdir!r} already holds an RLHF run; pass --resume to continue "
-                     f"it or use a new --logdir (its checkpoints are left untouched).")
-  if resume and exists:
-    ckpt.check_same_config(logdir, section, config_json, defaults)
+  check_logdir(logdir, section, config_json, resume=resume, defaults=defaults)
   frozen = resume and has_frozen(logdir)
   # Every process has looked before process 0 writes (else a peer would find the new file).
   runtime.sync_processes("rljax-prepare-checked")
   if runtime.is_primary():
     ckpt.write_json_atomic(os.path.join(ckpt.checkpoint_dir(logdir), ckpt.CONFIG_FILE),
                            {section: config_json})
+    if not frozen:  # a fresh start: an earlier one that saved no state (e.g. stopped in SFT)
+      ckpt.truncate_jsonl(os.path.join(logdir, "metrics.jsonl"), -1)  # is redone: its records go
   runtime.sync_processes("rljax-prepare-written")
   return frozen
 

@@ -102,16 +102,23 @@ class DataFlags:
     return pipeline.preference_defaults(self.model.value)
 
   def check_data(self, preference_data: str | None) -> None:
-    """Raises ValueError for ``--model``, ``--lr``, ``--sft_lr`` or ``--rm_lr`` without
-    ``--preference_data`` (the embedded task trains its own tiny model, so they would be
-    silently ignored)."""
-    if self.model.value is not None and preference_data is None:
+    """Raises ValueError for ``--model``, ``--lr``, ``--sft_lr``, ``--rm_lr``,
+    ``--max_prompt_len``, ``--overlong_prompts``, ``--tokenizer`` or ``--vocab_size`` without
+    ``--preference_data`` (the embedded task trains its own tiny model on its own character
+    tokenizer, so they would be silently ignored)."""
+    if preference_data is not None:
+      return
+    if self.model.value is not None:
       raise ValueError(f"--model {self.model.value!r} needs --preference_data=PATH (the "
                        f"embedded addition task trains its own tiny model)")
     for name in ("lr", "sft_lr", "rm_lr"):
-      if self._given(name) is not None and preference_data is None:
+      if self._given(name) is not None:
         raise ValueError(f"--{name} applies to --preference_data runs only (the embedded "
                          f"addition task keeps its own learning rates)")
+    for name in ("max_prompt_len", "tokenizer", "vocab_size", "overlong_prompts"):
+      if getattr(self, name).present:
+        raise ValueError(f"--{name} applies to --preference_data runs only (the embedded "
+                         f"addition task has its own character tokenizer and short prompts)")
 
 
 def define_data_flags(*, reward_model: bool = True) -> DataFlags:
@@ -189,6 +196,18 @@ class StageFlags:
   mesh: MeshFlags
   data: DataFlags
   logdir_prefix: str
+
+  def check_data(self, preference_data: str | None) -> None:
+    """`DataFlags.check_data`, and ``--limit`` without ``--preference_data`` (the embedded
+    task reads no pairs).
+
+    Raises:
+      ValueError: naming the flag that the embedded task would ignore.
+    """
+    if preference_data is None and self.limit.value is not None:
+      raise ValueError(f"--limit applies to --preference_data runs only (the embedded addition "
+                       f"task reads no preference pairs); got --limit={self.limit.value}")
+    self.data.check_data(preference_data)
 
   def resolved_logdir(self, now: str, prefix: str | None = None) -> str:
     """``--logdir``, or ``runs/<prefix>-<now>`` (``now`` e.g. ``"20261202-101500"``; ``prefix``

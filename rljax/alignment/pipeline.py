@@ -432,6 +432,41 @@ def _writer(logdir, total=None):
                        console_keys=("reward/mean", "kl", "accuracy"), tensorboard=True)
 
 
+def _stop_on(sigterm):
+  """The stages' ``should_stop``: whether the installed ``SigtermFlag`` (or None) was raised."""
+  return None if sigterm is None else (lambda: sigterm.received)
+
+
+def saved_config(config: EmbeddedConfig | PreferenceConfig, data: str | None = None
+                 ) -> dict[str, Any]:
+  """What an RL run saves and checks in ``<logdir>/checkpoints/config.json``: the keyword
+  arguments ``section``, ``config_json`` and ``defaults`` of
+  :func:`rljax.alignment.checkpointing.prepare`. ``data``: the preference data path
+  (``PreferenceConfig`` only; saved as an absolute path)."""
+  from rljax.alignment import checkpointing
+
+  config_json = checkpointing.config_to_json(config)
+  if isinstance(config, EmbeddedConfig):
+    return dict(section="rlhf_embedded", config_json=config_json,
+                defaults=ckpt.dataclass_defaults(EmbeddedConfig))
+  return dict(section="rlhf_preference", config_json=dict(config_json, data=os.path.abspath(data)),
+              defaults=ckpt.dataclass_defaults(PreferenceConfig))
+
+
+def check_logdir(config: EmbeddedConfig | PreferenceConfig, logdir: str, *,
+                 data: str | None = None, resume: bool = True) -> None:
+  """Whether `run_embedded`/`run_preference` would accept ``logdir``, writing nothing: the
+  scripts call it before ``run_info.json`` is written, so a refused command leaves the run's
+  folder as it was.
+
+  Raises:
+    ValueError: ``logdir`` holds an RL run with another config, or any (without ``resume``).
+  """
+  from rljax.alignment import checkpointing
+
+  checkpointing.check_logdir(logdir, **saved_config(config, data), resume=resume)
+
+
 def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress: bool = False,
                  log=print, stop_after: str = "rl", checkpoint_every: int = 10,
                  keep_checkpoints: int = 3, resume: bool = True,
@@ -465,9 +500,7 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
   layout = train_layout(placement)
   t0 = time.perf_counter()
   use_ckpt = logdir is not None and stop_after == "rl"
-  resuming = use_ckpt and checkpointing.prepare(
-      logdir, "rlhf_embedded", checkpointing.config_to_json(config), resume=resume,
-      defaults=ckpt.dataclass_defaults(EmbeddedConfig))
+  resuming = use_ckpt and checkpointing.prepare(logdir, **saved_config(config), resume=resume)
   tok = arithmetic.CharTokenizer()
   task = arithmetic.AdditionTask(max_operand=config.max_operand)
   model = DecoderLM(tiny_lm_config(tok.vocab_size, hidden_size=config.hidden_size,
@@ -485,7 +518,8 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
     model, _, h = sft.train_sft(model, pre, sft.SFTConfig(
         num_steps=config.pretrain_steps, batch_size=config.batch_size,
         learning_rate=config.pretrain_lr, log_every=max(config.pretrain_steps // 3, 1), seed=s),
-        pad_id=tok.PAD, writer=writer, prefix="pretrain/", layout=layout)
+        pad_id=tok.PAD, writer=writer, prefix="pretrain/", layout=layout,
+        should_stop=_stop_on(sigterm))
     log(f"pretrain: {config.pretrain_steps} steps, loss {h[-1]['pretrain/loss']:.3f}")
   t_pre = time.perf_counter()
   examples = sft.tokenize_examples(task.sft_examples(20_000, s + 2), tok, max_prompt_len=16,
@@ -494,7 +528,7 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
     model, _, h = sft.train_sft(model, examples, sft.SFTConfig(
         num_steps=config.sft_steps, batch_size=config.batch_size, learning_rate=config.sft_lr,
         log_every=max(config.sft_steps // 2, 1), seed=s), pad_id=tok.PAD, writer=writer,
-        prefix="sft/", layout=layout)
+        prefix="sft/", layout=layout, should_stop=_stop_on(sigterm))
     log(f"sft: {config.sft_steps} steps, response loss {h[-1]['sft/loss']:.3f}")
   t_sft = time.perf_counter()
 
@@ -545,7 +579,7 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
     log(f"greedy exact-match accuracy after RL: {acc_after:.3f}")
   if writer is not None:
     writer.write(config.rl.num_steps, {"eval/accuracy_before": acc_before,
-                                       "eval/accuracy_after": acc_after}, stage="rl")
+                                       "eval/accuracy_after": acc_after}, stage="eval")
     writer.close()
   summary = dict(
       accuracy_before=acc_before, accuracy_after=acc_after, **history_summary(history, 10),
@@ -842,9 +876,8 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
   # leaves nothing that would refuse the corrected command.
   pairs = text_data.load_preference_pairs(path, limit=config.limit)
   use_ckpt = logdir is not None and stop_after == "rl"
-  resuming = use_ckpt and checkpointing.prepare(
-      logdir, "rlhf_preference", dict(checkpointing.config_to_json(config), data=os.path.abspath(path)),
-      resume=resume, defaults=ckpt.dataclass_defaults(PreferenceConfig))
+  resuming = use_ckpt and checkpointing.prepare(logdir, **saved_config(config, path),
+                                                 resume=resume)
   layout = train_layout(placement)
   train_pairs, held_pairs = split_preference_pairs(pairs, config)
   log(f"{path}: {len(pairs)} pairs ({len(train_pairs)} train / {len(held_pairs)} held out)")
@@ -900,8 +933,8 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
         num_steps=config.pretrain_steps, batch_size=config.batch_size, learning_rate=config.lr,
         length_buckets=buckets, log_every=50, seed=config.seed, packing=config.packing,
         pack_length=2 * max_len), pad_id=tok.pad_token_id,
-        writer=writer, prefix="pretrain/", layout=layout)
-    log(f"pretrain: loss {h[-1]['pretrain/loss']:.3f}")
+        writer=writer, prefix="pretrain/", layout=layout, should_stop=_stop_on(sigterm))
+    log(f"pretrain: {config.pretrain_steps} steps, loss {h[-1]['pretrain/loss']:.3f}")
   t_pre = time.perf_counter()
   sft_loss = float("nan")
   if config.sft_steps:
@@ -910,7 +943,7 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
         learning_rate=config.sft_learning_rate,
         length_buckets=buckets, log_every=50, seed=config.seed, packing=config.packing,
         pack_length=2 * max_len), pad_id=tok.pad_token_id,
-        writer=writer, prefix="sft/", layout=layout)
+        writer=writer, prefix="sft/", layout=layout, should_stop=_stop_on(sigterm))
     sft_loss = h[-1]["sft/loss"]
     log(f"sft: {config.sft_steps} steps at learning rate {config.sft_learning_rate:g}, "
         f"response loss {sft_loss:.3f}")
@@ -941,10 +974,11 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
         num_steps=config.rm_steps, batch_size=config.rm_batch_size, learning_rate=config.rm_lr,
         margin=config.rm_margin,
         length_buckets=buckets, log_every=50, seed=config.seed), pad_id=tok.pad_token_id,
-        eval_pairs=ho, writer=writer, layout=layout)
+        eval_pairs=ho, writer=writer, layout=layout, should_stop=_stop_on(sigterm))
     ev = h[-1]
   if stop_after != "rm":  # train_reward_model.py prints it in its summary line
-    log(f"reward model: held-out accuracy {ev['rm/eval_accuracy']:.3f} "
+    trained = "" if loaded_rm is not None else f" ({config.rm_steps} steps)"
+    log(f"reward model{trained}: held-out accuracy {ev['rm/eval_accuracy']:.3f} "
         f"(95% CI {ev['rm/eval_accuracy_ci_low']:.3f}-{ev['rm/eval_accuracy_ci_high']:.3f}, "
         f"n={len(ho)})")
   t_rm = time.perf_counter()

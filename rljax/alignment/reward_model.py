@@ -20,7 +20,8 @@ import optax
 from flax import nnx
 
 from rljax.alignment import losses, modeling
-from rljax.alignment.sft import DEFAULT_LENGTH_BUCKETS, check_training_fields, make_optimizer
+from rljax.alignment.sft import (DEFAULT_LENGTH_BUCKETS, check_stop, check_training_fields,
+                                 make_optimizer)
 from rljax.envs.text import data as text_data
 from rljax.sampling import bucket_size
 
@@ -198,15 +199,18 @@ def train_reward_model(
     writer=None,
     prefix: str = "rm/",
     layout=None,
+    should_stop=None,
 ) -> tuple[nnx.Module, RewardModelState, list[dict[str, float]]]:
   """Trains the reward head and body of ``model`` with the Bradley-Terry loss.
 
   Held-out accuracy (with its CI) is logged at the end when ``eval_pairs`` are given.
   ``layout``: an optional :class:`rljax.alignment.layout.TrainLayout` (mesh + rules preset):
   params and optimizer state sharded by its rules, each batch's rows split over its data axes.
+  ``should_stop``: ``() -> bool``, asked before every step (e.g. whether SIGTERM came).
 
   Raises:
     ValueError: no training pairs, or a pair longer than the largest bucket.
+    rljax.alignment.sft.Interrupted: ``should_stop()`` returned True.
     rljax.sharding.mesh.MeshError: ``2 * batch_size`` rows not divisible by the data axes.
   """
   if not train_pairs:
@@ -228,6 +232,7 @@ def train_reward_model(
   acc_loss = acc_acc = 0.0
   n_acc = 0
   for step in range(1, config.num_steps + 1):
+    check_stop(should_stop, prefix, step - 1, config.num_steps)
     idx, pos = text_data.next_batch_indices(pos, len(train_pairs), config.batch_size,
                                             lengths=lengths, group_size=config.batch_size * 16)
     length = bucket_size(int(lengths[idx].max()), config.length_buckets)

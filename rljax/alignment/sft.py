@@ -269,6 +269,23 @@ def init_state(params, optimizer, seed: int) -> SFTState:
   return SFTState(params, optimizer.init(params), 0, text_data.init_data_position(seed))
 
 
+class Interrupted(Exception):
+  """A training stage (SFT, pre-training, reward model) stopped before ``step + 1`` of
+  ``num_steps`` because its ``should_stop`` said so (a SIGTERM); nothing of it is saved."""
+
+  def __init__(self, stage: str, step: int, num_steps: int):
+    super().__init__(
+        f"preempted by SIGTERM during {stage} (after step {step} of {num_steps}), before RL: "
+        f"the stages before RL are not checkpointed, so the same command trains them again")
+    self.stage, self.step, self.num_steps = stage, step, num_steps
+
+
+def check_stop(should_stop, prefix: str, step: int, num_steps: int) -> None:
+  """Raises `Interrupted` if ``should_stop`` (a ``() -> bool`` or None) returns True."""
+  if should_stop is not None and should_stop():
+    raise Interrupted(prefix.strip("/") or "training", step, num_steps)
+
+
 def train_sft(
     model: nnx.Module,
     examples: Sequence[Example],
@@ -279,6 +296,7 @@ def train_sft(
     state: SFTState | None = None,
     prefix: str = "sft/",
     layout=None,
+    should_stop=None,
 ) -> tuple[nnx.Module, SFTState, list[dict[str, float]]]:
   """Trains ``model`` on ``(prompt_ids, response_ids)`` examples; returns the updated model,
   the final state (to checkpoint or resume from) and the logged metrics.
@@ -294,10 +312,12 @@ def train_sft(
     prefix: metric-name prefix.
     layout: an :class:`rljax.alignment.layout.TrainLayout` (mesh + rules preset) to train on:
       params and optimizer state sharded by its rules, each batch split over its data axes.
+    should_stop: ``() -> bool``, asked before every step (e.g. whether SIGTERM came).
 
   Raises:
     ValueError: no examples, or an example longer than the largest bucket (the pack length
       when packing).
+    Interrupted: ``should_stop()`` returned True.
   """
   if not examples:
     raise ValueError("train_sft: empty dataset")
@@ -330,6 +350,7 @@ def train_sft(
   t0 = time.perf_counter()
   acc = dict(loss=0.0, n=0, pad=0.0)
   while step < config.num_steps:
+    check_stop(should_stop, prefix, step, config.num_steps)
     if config.packing:
       idx, pos = text_data.next_batch_indices(pos, num_rows, rows_per_step)
       batch = {k: v[idx] for k, v in packed.items()}

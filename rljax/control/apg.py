@@ -655,13 +655,8 @@ def _train_apg(config: APGConfig, logdir: str | None, *, progress: bool, checkpo
                sigterm: ckpt.SigtermFlag) -> APGResult:
   """`train_apg`'s body, with its SIGTERM flag installed."""
   use_ckpt = logdir is not None and checkpoints
-  newest = ckpt.newest_step(logdir) if use_ckpt else None
-  if newest is not None:
-    if not resume:
-      raise ValueError(f"{logdir!r} already holds checkpoints (step {newest}); resume it "
-                       f"(--resume) or use a new --logdir.")
-    ckpt.check_same_config(logdir, "apg", json.loads(config.to_json()),
-                           ckpt.dataclass_defaults(APGConfig))
+  newest = (ppo_trainer.check_logdir(logdir, config, resume=resume, section="apg")
+            if use_ckpt else None)
   trainer, params = make_apg_trainer(config)
   state, env_state = trainer.init(params)
   history: list[dict[str, float]] = []

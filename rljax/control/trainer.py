@@ -935,10 +935,33 @@ def _from_items(ts: TrainState, policy: dict, train_item: dict) -> TrainState:
   )
 
 
-def _check_same_config(logdir: str, config: ControlConfig) -> None:
-  """A run resumes only with the config it was started with (else it is not exact)."""
-  defaults = ckpt.dataclass_defaults(ControlConfig)  # implied for fields added since
-  ckpt.check_same_config(logdir, "control", json.loads(config.to_json()), defaults)
+def check_logdir(logdir: str | None, config, *, resume: bool, section: str = "control"
+                 ) -> int | None:
+  """Whether a run of ``config`` may start in ``logdir``, writing nothing; returns the newest
+  saved chunk (None: no checkpoint, a fresh start). `train` and APG's ``train_apg`` call it
+  first; ``train_control.py`` before it writes ``run_info.json`` too, so a refused command
+  leaves the run's folder as it was.
+
+  A saved config binds only a run that saved state (one stopped before its first checkpoint,
+  e.g. while compiling, does not refuse the next command in its ``logdir``).
+
+  Args:
+    config: a `ControlConfig` (``section="control"``) or an APG config (``"apg"``); fields
+      added since a run started count as their defaults.
+
+  Raises:
+    ValueError: ``logdir`` holds checkpoints and ``resume`` is False (they are left
+      untouched), or they were saved with another config (a resume would not be exact).
+  """
+  newest = ckpt.newest_step(logdir) if logdir is not None else None
+  if newest is None:
+    return None
+  if not resume:
+    raise ValueError(f"{logdir!r} already holds checkpoints (step {newest}); resume it "
+                     f"(--resume) or use a new --logdir (its checkpoints are left untouched).")
+  ckpt.check_same_config(logdir, section, json.loads(config.to_json()),
+                         ckpt.dataclass_defaults(type(config)))
+  return newest
 
 
 def _truncate_jsonl(path: str, last_step: int) -> None:
@@ -1043,11 +1066,7 @@ def _train(config: ControlConfig, logdir: str | None, *, progress: bool, checkpo
            sigterm: ckpt.SigtermFlag) -> TrainResult:
   """`train`'s body, with its SIGTERM flag installed."""
   use_ckpt = logdir is not None and checkpoints
-  # A saved config binds only a run that saved state (a run stopped before its first
-  # checkpoint, e.g. while compiling, does not refuse the next command in its logdir).
-  newest = ckpt.newest_step(logdir) if use_ckpt and resume else None
-  if newest is not None:
-    _check_same_config(logdir, config)
+  newest = check_logdir(logdir, config, resume=resume) if use_ckpt else None
   trainer, params = make_trainer(config, mesh=mesh)
   # The train chunk and then the evaluation compile on one more thread, from the state's
   # abstract shapes, while the environments reset here. Tracing and lowering are Python and
