@@ -540,7 +540,7 @@ def truncate_jsonl(path: str, last_step: int,
 
 
 class SigtermFlag:
-  """Records SIGTERM; a host loop checks ``received`` between compiled steps.
+  """Records SIGTERM; a host loop checks `any_process` between compiled steps.
 
   The handler only sets a flag, so it can never interrupt a checkpoint write. Installed
   only from the main thread (``signal`` allows no other); elsewhere it never fires.
@@ -559,6 +559,22 @@ class SigtermFlag:
   def _handle(self, signum, frame):
     del signum, frame
     self.received = True
+
+  def any_process(self) -> bool:
+    """Whether SIGTERM reached this process or, in a multi-process run, any other.
+
+    With several processes this is a collective (an all-gather of one flag per process), so
+    every process must call it at the same point of its loop (after the same step or chunk);
+    then all of them stop after that step even when the signal reached them at different
+    steps, and none is left waiting in the next step's collectives. With one process it only
+    reads ``received``.
+    """
+    if jax.process_count() == 1:
+      return self.received
+    from jax.experimental import multihost_utils
+
+    flags = multihost_utils.process_allgather(np.int32(self.received))
+    return bool(np.max(flags))
 
   def __exit__(self, *exc):
     if self._previous is not None:

@@ -18,6 +18,9 @@ from rljax.sharding import distributed
 distributed.define_flags()
 _LOGDIR = flags.DEFINE_string("logdir", None, "Accepted like train_control.py's; unused.")
 _HANG = flags.DEFINE_bool("hang_after_init", False, "Loop on cross-process steps (fault test).")
+_SIGTERM_AT = flags.DEFINE_integer(
+    "sigterm_at_step", None, "Process 0 sends itself SIGTERM before this step of a 20-step loop "
+    "that asks SigtermFlag.any_process() after every step; prints 'STOPPED <process> <steps>'.")
 
 
 def main(argv):
@@ -51,6 +54,21 @@ def main(argv):
   w1 = float(np.asarray(params["w1"].addressable_data(0)).sum())
   print(f"RESULT {jax.process_index()} {jax.process_count()} {jax.device_count()} "
         f"{float(np.asarray(loss.addressable_data(0))):.7f} {w1:.7f}", flush=True)
+  if _SIGTERM_AT.value is not None:
+    import os
+    import signal
+
+    from rljax import checkpoint as ckpt
+
+    with ckpt.SigtermFlag() as flag:
+      for i in range(1, 21):
+        if i == _SIGTERM_AT.value and jax.process_index() == 0:
+          os.kill(os.getpid(), signal.SIGTERM)  # process 1 gets none
+        params, loss = step(params, batch)
+        loss.block_until_ready()
+        if flag.any_process():
+          break
+    print(f"STOPPED {jax.process_index()} {i} {int(flag.received)}", flush=True)
   if _HANG.value:
     t0 = time.time()
     while time.time() - t0 < 120:

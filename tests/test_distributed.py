@@ -92,6 +92,23 @@ def test_two_processes_equal_one_process():
     assert abs(float(r[4]) - float(r1[4])) < 1e-5 and abs(float(r[5]) - float(r1[5])) < 1e-5
 
 
+def test_sigterm_to_one_process_stops_both_after_the_same_step():
+  """SIGTERM reaching only process 0 (at step 3): `SigtermFlag.any_process` tells both, so both
+  leave the loop after step 3 (the trainers then checkpoint that step and exit 75 together);
+  reading its own flag, process 1 would run on alone into the next step's collective."""
+  port = free_port()
+  procs = [subprocess.Popen(
+      [sys.executable, WORKER, f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+       f"--process_id={i}", "--heartbeat_timeout_s=10", "--sigterm_at_step=3"],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(cpu=False))
+      for i in range(2)]
+  outs = [p.communicate(timeout=180) for p in procs]
+  for p, (_, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  stopped = [l for out, _ in outs for l in out.splitlines() if l.startswith("STOPPED")]
+  assert stopped == ["STOPPED 0 3 1", "STOPPED 1 3 0"], stopped
+
+
 @pytest.mark.slow
 def test_killed_process_makes_the_other_exit_within_20s():
   port = free_port()

@@ -293,7 +293,7 @@ def train(trainer: rlhf.RLHFTrainer, logdir: str, *, checkpoint_every: int = 10,
   history: list[dict[str, float]] = []
   try:
     while trainer.state.step < num_steps:
-      if flag.received:
+      if flag.any_process():  # every process stops after the same step
         save()
         raise Preempted(trainer.state.step, str(logdir))
       try:

@@ -433,8 +433,9 @@ def _writer(logdir, total=None):
 
 
 def _stop_on(sigterm):
-  """The stages' ``should_stop``: whether the installed ``SigtermFlag`` (or None) was raised."""
-  return None if sigterm is None else (lambda: sigterm.received)
+  """The stages' ``should_stop``: whether the installed ``SigtermFlag`` (or None) was raised
+  in any process (a collective with several, asked by all before each step)."""
+  return None if sigterm is None else sigterm.any_process
 
 
 def saved_config(config: EmbeddedConfig | PreferenceConfig, data: str | None = None

@@ -720,7 +720,7 @@ def _train_apg(config: APGConfig, logdir: str | None, *, progress: bool, checkpo
     record_eval(chunk, record)
     if manager is not None:
       ckpt.save(manager, chunk, *_items(state, env_state, env_steps))
-    if sigterm.received and chunk < trainer.num_chunks:
+    if chunk < trainer.num_chunks and sigterm.any_process():
       if writer is not None:
         writer.close()
       if manager is not None:

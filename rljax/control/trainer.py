@@ -1140,7 +1140,7 @@ def _train(config: ControlConfig, logdir: str | None, *, progress: bool, checkpo
     chunk_compiled.result()
   # Seconds from the start until both are compiled (environment build and reset overlap).
   compile_s = time.perf_counter() - t_start
-  if sigterm.received and start_chunk < trainer.num_chunks:  # during start-up: nothing to save
+  if start_chunk < trainer.num_chunks and sigterm.any_process():  # in start-up: nothing to save
     if manager is not None:
       manager.close()
     raise Preempted(start_chunk, str(logdir), during_start_up=True)
@@ -1222,7 +1222,7 @@ def _train(config: ControlConfig, logdir: str | None, *, progress: bool, checkpo
             ts=snapshot(ts), env_state=snapshot(env_state) if manager is not None else None)
         continue
       finish(done, timed_eval(ts.params, ts.obs_stats, chunk))
-      if sigterm.received and not last:
+      if not last and sigterm.any_process():  # every process stops after the same chunk
         if writer is not None:
           writer.close()
         raise Preempted(chunk, str(logdir))
