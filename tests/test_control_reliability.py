@@ -19,7 +19,6 @@ import pytest
 
 from rljax import checkpoint as ckpt
 from rljax import envs
-from rljax import preemption
 from rljax.control import trainer
 from rljax.control.config import ControlConfig
 
@@ -132,20 +131,6 @@ def test_sigterm_during_start_up_preempts_with_nothing_written(tmp_path, monkeyp
                           f"to checkpoint: the run resumes from the start in {logdir}")
   assert os.listdir(os.path.join(logdir, "checkpoints")) == [ckpt.CONFIG_FILE]
   assert not os.path.exists(os.path.join(logdir, "metrics.jsonl"))
-
-
-def test_sigterm_during_imports_exits_75(tmp_path):
-  """A SIGTERM in the script's first second (its imports, before the trainer's handler) exits
-  75 at once too, with nothing written."""
-  logdir = str(tmp_path / "run")
-  proc = subprocess.Popen(_cmd(logdir, str(tmp_path / "cache")), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
-  time.sleep(1.0)
-  proc.send_signal(signal.SIGTERM)
-  _, stderr = proc.communicate(timeout=60)
-  assert proc.returncode == 75, stderr[-3000:]
-  assert stderr.strip().splitlines()[-1] == preemption.EARLY_SIGTERM_MESSAGE, stderr[-3000:]
-  assert not os.path.exists(logdir)
 
 
 def _truncate_largest_file(directory):

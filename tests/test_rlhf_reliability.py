@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from rljax import checkpoint as ckpt
-from rljax import preemption
 from rljax.alignment import checkpointing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -119,20 +118,6 @@ def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference_run, cache, 
   assert out.returncode == 0, out.stderr[-3000:]
   _assert_items_equal(_final_items(logdir), _final_items(reference_run))
   assert _rl_records(logdir) == _rl_records(reference_run)
-
-
-def test_sigterm_during_imports_exits_75(tmp_path):
-  """A SIGTERM in the script's first second (its imports, before the trainer's handler) exits
-  75 at once (what rlhf.sbatch requeues; Python's default would be 143), with nothing written."""
-  logdir = str(tmp_path / "run")
-  proc = subprocess.Popen(_cmd(logdir, str(tmp_path / "cache")), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
-  time.sleep(1.0)
-  proc.send_signal(signal.SIGTERM)
-  _, stderr = proc.communicate(timeout=60)
-  assert proc.returncode == 75, stderr[-3000:]
-  assert stderr.strip().splitlines()[-1] == preemption.EARLY_SIGTERM_MESSAGE, stderr[-3000:]
-  assert not os.path.exists(logdir)
 
 
 def _truncate_largest_file(directory):

@@ -1,0 +1,30 @@
+"""SIGTERM before a trainer's own handler (rljax/preemption.py): the experiment scripts that
+SLURM's templates run exit 75 (requeued) instead of Python's default 143."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rljax import preemption
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("script", ["train_control.py", "train_rlhf.py"])
+def test_sigterm_during_imports_exits_75(script, tmp_path):
+  """A SIGTERM in the script's first second (its imports, before the trainer's handler) exits
+  75 at once, with one line and nothing written."""
+  logdir = str(tmp_path / "run")
+  proc = subprocess.Popen([sys.executable, os.path.join(REPO, "experiments", script),
+                           f"--logdir={logdir}"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  time.sleep(1.0)
+  proc.send_signal(signal.SIGTERM)
+  _, stderr = proc.communicate(timeout=60)
+  assert proc.returncode == preemption.EXIT_PREEMPTED == 75, stderr[-3000:]
+  assert stderr.strip().splitlines()[-1] == preemption.EARLY_SIGTERM_MESSAGE, stderr[-3000:]
+  assert not os.path.exists(logdir)
