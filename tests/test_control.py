@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from brax import envs as brax_envs
 from flax import nnx
 
 from rljax import checkpoint as ckpt
@@ -597,3 +598,72 @@ def test_physics_compiles_without_ynn_fusions():
   eval_hlo = tr.evaluate.lower(ts.params, ts.obs_stats, jax.random.PRNGKey(0)).compile().as_text()
   assert " dot(" in chunk_hlo
   assert "__ynn_fusion" not in chunk_hlo and "__ynn_fusion" not in eval_hlo
+
+
+class _DiesAtLife(brax_envs.Env):
+  """A terminating toy environment: an episode ends (terminates) after ``life`` steps,
+  ``life = 3 + (reset key's first word mod 5)`` (3 to 7); reward ``1 + action[0]`` a step."""
+
+  def reset(self, rng):
+    life = 3.0 + (rng[0] % 5).astype(jnp.float32)
+    zero = jnp.zeros(())
+    return brax_envs.State(pipeline_state=jnp.zeros(1), obs=jnp.stack([zero, life]),
+                           reward=zero, done=zero, metrics={}, info={})
+
+  def step(self, state, action):
+    t = state.obs[0] + 1.0
+    life = state.obs[1]
+    return state.replace(obs=jnp.stack([t, life]), reward=1.0 + action[0],
+                         done=(t >= life).astype(jnp.float32))
+
+  @property
+  def observation_size(self):
+    return 2
+
+  @property
+  def action_size(self):
+    return 1
+
+  @property
+  def backend(self):
+    return "toy"
+
+
+@pytest.mark.parametrize("num_steps", [20, 5])
+def test_evaluation_stops_when_every_episode_has_ended_with_the_same_metrics(num_steps):
+  """`run_eval_episodes` stops at the first step after which no first episode still runs,
+  and its metrics equal a full ``num_steps`` scan's (Brax's evaluator's loop): EvalWrapper
+  freezes each episode's return at its first ``done``. Gold values by hand from the toy's
+  lives; with ``num_steps=5`` the longer episodes are truncated at 5."""
+  from brax.envs.wrappers import training as brax_training
+
+  eval_env = brax_training.EvalWrapper(envs.wrap_for_training(_DiesAtLife(), episode_length=num_steps))
+  reset_keys = jax.random.split(jax.random.PRNGKey(3), 6)
+  lives = np.array([3 + int(k[0]) % 5 for k in np.asarray(reset_keys)])
+  assert len(set(lives)) > 1 and lives.max() < 20  # episodes of several lengths, all < 20
+  step_keys = jax.random.split(jax.random.PRNGKey(4), num_steps)
+  calls = []
+
+  def act(obs, k):  # actions in [-0.5, 0.5] from the step's key; counts the steps taken
+    jax.debug.callback(lambda: calls.append(1))
+    return 0.5 * jax.random.uniform(k, (obs.shape[0], 1), minval=-1.0, maxval=1.0)
+
+  metrics = jax.jit(lambda: trainer.run_eval_episodes(eval_env, reset_keys, act, step_keys))()
+  metrics = jax.device_get(metrics)
+  lengths = np.minimum(lives, num_steps)
+  assert len(calls) == lengths.max()  # 7 (the longest life) or 5 (truncated), not num_steps
+  np.testing.assert_allclose(metrics["eval/episode_length"], lengths.mean())
+
+  def full_scan():  # the fixed-length loop
+    def step(state, k):
+      return eval_env.step(state, act(state.obs, k)), ()
+    state, _ = jax.lax.scan(step, eval_env.reset(reset_keys), step_keys)
+    em = state.info["eval_metrics"]
+    r = em.episode_metrics["reward"]
+    return {"eval/episode_reward": jnp.mean(r), "eval/episode_reward_std": jnp.std(r),
+            "eval/episode_length": jnp.mean(em.episode_steps)}
+
+  reference = jax.device_get(jax.jit(full_scan)())
+  assert metrics == reference
+  # Rewards 1 + a with |a| <= 0.5: each return lies within half its length of the length.
+  assert abs(metrics["eval/episode_reward"] - lengths.mean()) <= 0.5 * lengths.mean()

@@ -546,7 +546,14 @@ class Trainer:
 def run_eval_episodes(eval_env, reset_keys: Array, act: Callable[[Array, Any], Array],
                       step_keys: Array | None = None, *, num_steps: int | None = None
                       ) -> dict[str, Array]:
-  """One episode per environment of a Brax ``EvalWrapper``-wrapped env, traced in ``lax.scan``.
+  """One episode per environment of a Brax ``EvalWrapper``-wrapped env, in ``lax.while_loop``.
+
+  The loop stops after ``T`` steps or at the first step after which no environment's first
+  episode is still running, whichever comes first. ``EvalWrapper`` freezes each episode's
+  return and length at its first ``done``, so the steps after that point (which Brax's
+  evaluator runs, up to ``T``) cannot change the result: stopping there gives the same metrics
+  with less physics. Environments that terminate (``brax/ant``, ``brax/hopper``,
+  ``brax/humanoid``) end there early; DM Control tasks, which only truncate, run all ``T``.
 
   Args:
     eval_env: wrapped with ``brax.envs.wrappers.training.EvalWrapper`` (over the episode and
@@ -554,18 +561,26 @@ def run_eval_episodes(eval_env, reset_keys: Array, act: Callable[[Array, Any], A
       return and length, frozen at its first ``done``.
     reset_keys: ``[E, 2]`` uint32 PRNG keys, one per environment.
     act: ``(obs [E, D] f32, key or None) -> action [E, A]`` f32 in ``[-1, 1]``.
-    step_keys: ``[T, 2]`` keys, one per step, passed to ``act``; None: ``act`` gets None and
-      ``num_steps`` gives ``T``.
+    step_keys: ``[T, 2]`` keys; step ``t`` passes ``step_keys[t]`` to ``act``. None: ``act``
+      gets None and ``num_steps`` gives ``T``.
     num_steps: ``T`` (steps after action repeat) when ``step_keys`` is None.
 
   Returns:
     f32 scalars ``eval/episode_reward`` (mean undiscounted return), ``eval/episode_reward_std``
     and ``eval/episode_length`` (mean steps).
   """
-  def step(state, k):
-    return eval_env.step(state, act(state.obs, k)), ()
+  total = num_steps if step_keys is None else step_keys.shape[0]
 
-  state, _ = jax.lax.scan(step, eval_env.reset(reset_keys), step_keys, length=num_steps)
+  def running(carry):
+    t, state = carry
+    return (t < total) & jnp.any(state.info["eval_metrics"].active_episodes > 0)
+
+  def step(carry):
+    t, state = carry
+    k = None if step_keys is None else step_keys[t]
+    return t + 1, eval_env.step(state, act(state.obs, k))
+
+  _, state = jax.lax.while_loop(running, step, (jnp.int32(0), eval_env.reset(reset_keys)))
   eval_metrics = state.info["eval_metrics"]
   rewards = eval_metrics.episode_metrics["reward"]
   return {
