@@ -631,10 +631,11 @@ class _DiesAtLife(brax_envs.Env):
 
 @pytest.mark.parametrize("num_steps", [20, 5])
 def test_evaluation_stops_when_every_episode_has_ended_with_the_same_metrics(num_steps):
-  """`run_eval_episodes` stops at the first step after which no first episode still runs,
-  and its metrics equal a full ``num_steps`` scan's (Brax's evaluator's loop): EvalWrapper
-  freezes each episode's return at its first ``done``. Gold values by hand from the toy's
-  lives; with ``num_steps=5`` the longer episodes are truncated at 5."""
+  """`run_eval_episodes` steps the environment only until every first episode has ended
+  (the policy is called that many times), and its metrics are bitwise a full ``num_steps``
+  scan's (Brax's evaluator's loop): EvalWrapper freezes each episode's return at its first
+  ``done``. Gold values by hand from the toy's lives; with ``num_steps=5`` the longer episodes
+  are truncated at 5."""
   from brax.envs.wrappers import training as brax_training
 
   eval_env = brax_training.EvalWrapper(envs.wrap_for_training(_DiesAtLife(), episode_length=num_steps))
