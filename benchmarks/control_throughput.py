@@ -19,6 +19,9 @@ For one environment it runs, back to back:
    the limit. The two processes have read it 11.3k and 13.1-17.8k steps/s on ant on the same
    machine (benchmarks/HISTORY.md, stop 36), so the higher bounds ``fraction_of_limit``.
 
+With ``--repeats=N`` steps 1 and 2 run N times each, alternating their order (rljax, Brax, Brax,
+rljax, ...), and the reported figures are medians over the runs.
+
 Steady-state steps/s exclude compilation: they are the median over the training
 epochs after the first (both trainers time each epoch the same way, evaluation
 excluded). Wall times are whole runs, compilation and evaluations included; Python
@@ -59,6 +62,14 @@ _LIMIT_ONLY = flags.DEFINE_bool(
     "physics_limit_only", False,
     "Measure the physics limit alone (both compiler options), write it to --out as JSON and "
     "exit: what the benchmark runs in a fresh child process.")
+_REPEATS = flags.DEFINE_integer(
+    "repeats", 1,
+    "Run the identical-settings pair this many times, alternating the order (rljax, Brax, "
+    "Brax, rljax, rljax, Brax, ...), so that a drift of the machine's speed during the process "
+    "weighs on both alike. rljax_sps, brax_sps, the wall times and the ratios are then medians "
+    "over the repeats; each run's figures are in the JSON (*_runs). On the 2-core machines the "
+    "same code's steady rates moved by up to 20% between runs (benchmarks/HISTORY.md, stop 40).",
+    lower_bound=1)
 _DEFAULT_TIMESTEPS = flags.DEFINE_integer(
     "default_num_timesteps", None,
     "Timesteps of the rljax-default run (default: --num_timesteps); only its steady "
@@ -164,6 +175,15 @@ def run_rljax(config) -> dict:
       final_reward=result.history[-1]["eval/episode_reward"],
       env_steps=result.history[-1]["env_steps"],
   )
+
+
+def median_run(runs: list[dict]) -> dict:
+  """One run's figures from several runs of the same trainer and settings: the median of each
+  number (``sps``, ``wall_s``, ...); the final reward is the first run's (a seed's runs give the
+  same one)."""
+  merged = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+  merged["final_reward"] = runs[0]["final_reward"]
+  return merged
 
 
 def run_brax(env_name: str, s: dict, episode_length: int) -> dict:
@@ -294,10 +314,16 @@ def main(argv):
   episode_length = envs.default_episode_length(env_name)
   s = identical_settings(env_name, _NUM_ENVS.value, _TIMESTEPS.value, _SEED.value)
   print(f"[{env_name}] identical settings: {s}", flush=True)
-  ours = run_rljax(rljax_config_from(env_name, s, episode_length, _GAE_PER_MINIBATCH.value))
-  print(f"  rljax (identical): {ours}", flush=True)
-  brax = run_brax(env_name, s, episode_length)
-  print(f"  brax  (identical): {brax}", flush=True)
+  runs = {"rljax": [], "brax": []}
+  for repeat in range(_REPEATS.value):
+    for name in ("rljax", "brax") if repeat % 2 == 0 else ("brax", "rljax"):
+      if name == "rljax":
+        r = run_rljax(rljax_config_from(env_name, s, episode_length, _GAE_PER_MINIBATCH.value))
+      else:
+        r = run_brax(env_name, s, episode_length)
+      runs[name].append(r)
+      print(f"  {name:<5} (identical, run {repeat + 1} of {_REPEATS.value}): {r}", flush=True)
+  ours, brax = median_run(runs["rljax"]), median_run(runs["brax"])
   default = None
   if not _SKIP_DEFAULT.value:
     dc = default_config(env_name)
@@ -337,9 +363,16 @@ def main(argv):
       brax_final_reward=brax["final_reward"],
       rljax_default_final_reward=default["final_reward"] if default else None,
       rljax_default_wall_s=default["wall_s"] if default else None,
+      repeats=_REPEATS.value,
+      rljax_sps_runs=[r["sps"] for r in runs["rljax"]],
+      brax_sps_runs=[r["sps"] for r in runs["brax"]],
+      rljax_wall_s_runs=[r["wall_s"] for r in runs["rljax"]],
+      brax_wall_s_runs=[r["wall_s"] for r in runs["brax"]],
   )
   print("\n| metric | value |\n|---|---|")
   for k, v in result.items():
+    if isinstance(v, list):
+      v = ", ".join(f"{x:,.1f}" for x in v)
     print(f"| {k} | {v:,.3f} |" if isinstance(v, float) else f"| {k} | {v} |")
   if _OUT.value:
     with open(_OUT.value, "w") as f:
