@@ -66,9 +66,10 @@ _REPEATS = flags.DEFINE_integer(
     "repeats", 1,
     "Run the identical-settings pair this many times, alternating the order (rljax, Brax, "
     "Brax, rljax, rljax, Brax, ...), so that a drift of the machine's speed during the process "
-    "weighs on both alike. rljax_sps, brax_sps, the wall times and the ratios are then medians "
-    "over the repeats; each run's figures are in the JSON (*_runs). On the 2-core machines the "
-    "same code's steady rates moved by up to 20% between runs (benchmarks/HISTORY.md, stop 40).",
+    "weighs on both alike. rljax_sps, brax_sps and the wall times are then medians over the "
+    "repeats, and the ratios are theirs; each run's figures are in the JSON (*_runs). On the "
+    "2-core machines the same code's steady rates moved by up to 20% between runs "
+    "(benchmarks/HISTORY.md, stop 40).",
     lower_bound=1)
 _DEFAULT_TIMESTEPS = flags.DEFINE_integer(
     "default_num_timesteps", None,
