@@ -659,10 +659,7 @@ def test_evaluation_stops_when_every_episode_has_ended_with_the_same_metrics(num
     def step(state, k):
       return eval_env.step(state, act(state.obs, k)), ()
     state, _ = jax.lax.scan(step, eval_env.reset(reset_keys), step_keys)
-    em = state.info["eval_metrics"]
-    r = em.episode_metrics["reward"]
-    return {"eval/episode_reward": jnp.mean(r), "eval/episode_reward_std": jnp.std(r),
-            "eval/episode_length": jnp.mean(em.episode_steps)}
+    return trainer.episode_metrics(state.info["eval_metrics"])
 
   reference = jax.device_get(jax.jit(full_scan)())
   assert metrics == reference

@@ -577,7 +577,12 @@ def run_eval_episodes(eval_env, reset_keys: Array, act: Callable[[Array, Any], A
     return state, ()
 
   state, _ = jax.lax.scan(step, eval_env.reset(reset_keys), step_keys, length=num_steps)
-  eval_metrics = state.info["eval_metrics"]
+  return episode_metrics(state.info["eval_metrics"])
+
+
+def episode_metrics(eval_metrics) -> dict[str, Array]:
+  """`run_eval_episodes`'s f32 scalars from a Brax ``EvalMetrics`` (``[E]`` episode returns and
+  lengths): ``eval/episode_reward`` (mean), ``eval/episode_reward_std``, ``eval/episode_length``."""
   rewards = eval_metrics.episode_metrics["reward"]
   return {
       "eval/episode_reward": jnp.mean(rewards),
