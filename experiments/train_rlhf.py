@@ -24,8 +24,9 @@ hf_model or TRL's RewardTrainer output; OpenRLHF's --reward_pretrain) no reward 
 Everything lives in rljax.alignment.pipeline; this script parses flags. User errors exit with
 status 2 and one line (--verbose for a traceback).
 
-Checkpoints (rljax.alignment.checkpointing): every --checkpoint_every RL steps; running the same
-command with the same --logdir resumes exactly. Exit status: 0 done; 2 bad input; 3 halted on a
+Checkpoints (rljax.alignment.checkpointing): every --checkpoint_every RL steps, and the stages
+before RL when they end or on a SIGTERM (<logdir>/stages); running the same command with the same
+--logdir resumes exactly. Exit status: 0 done; 2 bad input; 3 halted on a
 non-finite reward, loss or gradient (--nonfinite=halt; the last good state is checkpointed); 75
 (EXIT_PREEMPTED) stopped by SIGTERM after writing a checkpoint (or, from the first line until the
 trainer's handler is installed, with nothing new to save): run the same command again.
@@ -92,7 +93,8 @@ _OFFLOAD = flags.DEFINE_bool(
 # Checkpoints, resume and preemption (names as in train_control.py).
 _DEVICE_MEMORY = ckpt_lib.define_device_memory_flag()
 _RESUME = flags.DEFINE_bool(
-    "resume", True, "Continue from the newest checkpoint in --logdir when there is one.")
+    "resume", True, "Continue from the newest checkpoint in --logdir when there is one (an RL "
+    "step, or a stage before RL).")
 _CKPT_EVERY = flags.DEFINE_integer("checkpoint_every", 10, "RL steps between checkpoints.")
 _KEEP = flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept (the newest).")
 _CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", None,

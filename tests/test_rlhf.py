@@ -241,3 +241,94 @@ def test_sft_and_reward_model_stages_stop_when_asked():
     rm_lib.train_reward_model(model, pairs, rm_lib.RewardModelConfig(num_steps=3, batch_size=2),
                               pad_id=TOK.PAD, should_stop=stop_after(0))
   assert (e.value.stage, e.value.step, e.value.num_steps) == ("rm", 0, 3)
+
+
+def _no_wall(records):
+  return [{k: v for k, v in r.items() if not k.endswith("wall_s")} for r in records]
+
+
+@pytest.mark.parametrize("stage", ["sft", "rm"])
+def test_stage_interrupted_then_resumed_from_its_saved_state_equals_an_uninterrupted_one(
+    stage, tmp_path):
+  """`checkpointing.run_stage`: a SIGTERM after step 3 of 6 saves the stage's state under
+  ``<logdir>/stages`` (orbax folder + marker); the rerun continues from it and ends with the
+  uninterrupted run's parameters, bit for bit, and its records (the step-4 record's window
+  spans the interruption); a third run loads the ended stage without training."""
+  import os
+
+  from rljax.alignment import checkpointing, sft
+  from rljax.alignment import reward_model as rm_lib
+
+  prompts = [TOK.encode(f"{a}+{b}=") for a in range(4) for b in range(3)]
+  examples = [(p, TOK.encode(str(i % 10), add_special_tokens=False) + [TOK.EOS])
+              for i, p in enumerate(prompts)]
+  pairs = [(p, r, TOK.encode("99", add_special_tokens=False) + [TOK.EOS]) for p, r in examples]
+  histories = []
+  if stage == "sft":
+    config = sft.SFTConfig(num_steps=6, batch_size=2, log_every=4, warmup_steps=2)
+    fresh = sft.fresh_state
+
+    def train(m, state, should_stop=None):
+      out = sft.train_sft(m, examples, config, pad_id=TOK.PAD, state=state,
+                          should_stop=should_stop)
+      histories.append(out[2])
+      return out
+  else:
+    config = rm_lib.RewardModelConfig(num_steps=6, batch_size=2, log_every=4, warmup_steps=2)
+    fresh = rm_lib.fresh_state
+
+    def train(m, state, should_stop=None):
+      out = rm_lib.train_reward_model(m, pairs, config, pad_id=TOK.PAD, eval_pairs=pairs[:4],
+                                      state=state, should_stop=should_stop)
+      histories.append(out[2])
+      return out
+
+  def model():
+    return DecoderLM(pipeline.tiny_lm_config(TOK.vocab_size, hidden_size=16, num_layers=1),
+                     rngs=nnx.Rngs(0))
+
+  def params(m):
+    return jax.tree.leaves(nnx.state(m, nnx.Param))
+
+  ref, _, ref_history = train(model(), None)
+  assert [r["step"] for r in ref_history] == [4, 6]
+  logdir = str(tmp_path)
+  asked = []
+
+  def stop_after_3():
+    asked.append(1)
+    return len(asked) > 3
+
+  m = model()
+  with pytest.raises(sft.Interrupted) as e:
+    checkpointing.run_stage(logdir, stage, lambda m, s: train(m, s, stop_after_3), m,
+                            lambda: fresh(m, config))
+  saved_in = os.path.join(logdir, "stages", f"{stage}-3")
+  assert e.value.step == 3 and e.value.saved_in == saved_in
+  assert str(e.value) == (f"preempted by SIGTERM during {stage} (after step 3 of 6), before RL: "
+                          f"its state is saved in {saved_in}, and the same command resumes it")
+  marker = checkpointing.saved_stages(logdir)[stage]
+  assert (marker["step"], marker["done"], marker["window"]["n"]) == (3, False, 3)
+
+  lines = []
+  m = model()
+  m, record, ran = checkpointing.run_stage(logdir, stage, train, m, lambda: fresh(m, config),
+                                           log=lines.append)
+  assert ran and lines == [f"{stage}: resuming after step 3 from {saved_in}"]
+  for a, b in zip(params(m), params(ref), strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert _no_wall(histories[-1]) == _no_wall(ref_history) and record == histories[-1][-1]
+  assert sorted(os.listdir(os.path.join(logdir, "stages"))) == [f"{stage}-6-done",
+                                                                 f"{stage}.json"]
+
+  def must_not_train(m, state):
+    raise AssertionError("the ended stage was trained again")
+
+  m = model()
+  m, record, ran = checkpointing.run_stage(logdir, stage, must_not_train, m,
+                                           lambda: fresh(m, config), log=lines.append)
+  assert not ran and _no_wall([record]) == _no_wall(ref_history[-1:])
+  assert lines[-1] == (f"{stage}: loaded the finished stage (6 steps) from "
+                       f"{os.path.join(logdir, 'stages', f'{stage}-6-done')}")
+  for a, b in zip(params(m), params(ref), strict=True):
+    np.testing.assert_array_equal(a, b)

@@ -1,6 +1,7 @@
 """Exact resume of the --preference_data pipeline (experiments/train_rlhf.py ->
-rljax.alignment.pipeline.run_preference): a run SIGKILLed after its checkpoint of RL step 2 and
-resumed ends with the same state, bit for bit, as an uninterrupted run."""
+rljax.alignment.pipeline.run_preference): a run SIGTERMed during reward-model training, resumed,
+SIGKILLed after its checkpoint of RL step 2 and resumed again ends with the same state, bit for
+bit, as an uninterrupted run."""
 
 import json
 import os
@@ -69,6 +70,15 @@ def _rl_records(logdir):
           for r in checkpointing.rl_history(os.path.join(logdir, "metrics.jsonl"))]
 
 
+def _stage_records(logdir):
+  """metrics.jsonl's records of the stages before RL, without wall times."""
+  from rljax.metrics import read_jsonl
+
+  return [{k: v for k, v in r.items() if not k.endswith("wall_s")}
+          for r in read_jsonl(os.path.join(logdir, "metrics.jsonl"))
+          if r.get("stage") in ("pretrain", "sft", "rm")]
+
+
 @pytest.mark.slow
 def test_preference_sigkill_then_resume_is_bitwise_exact(setup, tmp_path):
   data, cache = setup
@@ -77,16 +87,43 @@ def test_preference_sigkill_then_resume_is_bitwise_exact(setup, tmp_path):
   assert out.returncode == 0, out.stderr[-3000:]
 
   logdir = str(tmp_path / "run")
+  # A SIGTERM once SFT has ended (its summary line printed) stops reward-model training at its
+  # next step: exit 75, with the ended pre-training and SFT and the reward model's state saved.
+  env = dict(os.environ, PYTHONUNBUFFERED="1")
+  with open(tmp_path / "stderr.txt", "w+", encoding="utf-8") as err:
+    proc = subprocess.Popen(_cmd(data, logdir, cache), stdout=subprocess.PIPE, stderr=err,
+                            text=True, env=env)
+    for line in proc.stdout:
+      if line.startswith("sft: "):
+        proc.send_signal(signal.SIGTERM)
+        break
+    assert proc.wait(timeout=300) == 75, proc.stdout.read()
+    err.seek(0)
+    stderr = err.read()
+  marker = {k: (m["step"], m["done"]) for k, m in checkpointing.saved_stages(logdir).items()}
+  assert marker.keys() == {"pretrain", "sft", "rm"} and marker["pretrain"] == marker["sft"] == (
+      10, True) and not marker["rm"][1] and marker["rm"][0] < 10, marker
+  stages = os.path.join(logdir, "stages")
+  assert (f"preempted by SIGTERM during rm (after step {marker['rm'][0]} of 10), before RL: its "
+          f"state is saved in {stages}/rm-{marker['rm'][0]}, and the same command resumes it; "
+          f"exiting with status 75") in stderr, stderr[-2000:]
+
   proc = subprocess.Popen(_cmd(data, logdir, cache), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+                          stderr=subprocess.PIPE, text=True, env=env)
   path, t0 = os.path.join(logdir, "checkpoints", str(KILL_AFTER)), time.time()
   while not os.path.isdir(path):
     assert proc.poll() is None, f"training exited early: {proc.communicate()}"
     assert time.time() - t0 < 300, f"no checkpoint {KILL_AFTER} after 300 s"
     time.sleep(0.01)
   proc.send_signal(signal.SIGKILL)
-  proc.wait(timeout=60)
+  stdout = proc.communicate(timeout=60)[0]
   assert proc.returncode == -signal.SIGKILL
+  # It resumed the stages: pre-training and SFT loaded, the reward model continued.
+  assert (f"pretrain: loaded the finished stage (10 steps) from {stages}/pretrain-10-done"
+          in stdout), stdout[-2000:]
+  assert f"sft: loaded the finished stage (10 steps) from {stages}/sft-10-done" in stdout
+  assert f"rm: resuming after step {marker['rm'][0]} from {stages}/rm-{marker['rm'][0]}" in stdout
+  assert not os.path.exists(stages)  # removed once the frozen roles were saved
   saved = sorted(int(d) for d in os.listdir(os.path.join(logdir, "checkpoints")) if d.isdigit())
   assert KILL_AFTER <= saved[-1] < LAST_STEP, saved
 
@@ -105,6 +142,8 @@ def test_preference_sigkill_then_resume_is_bitwise_exact(setup, tmp_path):
       np.testing.assert_array_equal(a[k], b[k], err_msg=k)
   # Every RL step's metrics (rewards, KL, losses, ...) equal the uninterrupted run's too.
   assert _rl_records(logdir) == _rl_records(ref)
+  # And so do the stages' records (the reward model's window spans its interruption).
+  assert _stage_records(logdir) == _stage_records(ref) != []
   # summary.json, as the embedded pipeline writes it: the resumed run's whole-history summary
   # equals the uninterrupted run's, and it names the step it resumed after.
   summaries = []

@@ -205,12 +205,14 @@ def test_same_seed_gives_identical_rollouts_and_metrics():
   _assert_items_equal(items_a, items_b)
 
 
-def test_sigterm_in_sft_stops_it_and_after_sft_checkpoints_rl_step_0(tmp_path, monkeypatch):
+def test_sigterm_in_sft_saves_it_resumes_it_and_after_sft_checkpoints_rl_step_0(
+    tmp_path, monkeypatch):
   """In-process, as the script's SIGTERM flag sees it. A SIGTERM during SFT stops it at the
-  next step (`StageInterrupted`, exit 75 in the script; the stages before RL are not
-  checkpointed). One after SFT takes effect when RL starts: the SFT model is in
-  ``<logdir>/frozen``, RL step 0 is checkpointed, and the rerun loads both (no SFT again) and
-  ends equal to an uninterrupted run."""
+  next step (`StageInterrupted`, exit 75 in the script) with the ended pre-training and SFT's
+  state saved under ``<logdir>/stages``. The rerun skips pre-training, continues SFT from its
+  step, and a SIGTERM after SFT takes effect when RL starts: the SFT model is in
+  ``<logdir>/frozen`` (the stages' folder is removed), RL step 0 is checkpointed. The third run
+  loads both (no training before RL) and ends equal to an uninterrupted run."""
   from rljax.alignment import pipeline, sft
 
   config = pipeline.EmbeddedConfig(
@@ -232,11 +234,13 @@ def test_sigterm_in_sft_stops_it_and_after_sft_checkpoints_rl_step_0(tmp_path, m
   monkeypatch.setattr(sft, "check_stop", sigterm_at_sft_step_1)
   with ckpt.SigtermFlag() as flag, pytest.raises(checkpointing.StageInterrupted) as e:
     pipeline.run_embedded(config, logdir=logdir, log=lambda *_: None, sigterm=flag)
-  assert str(e.value) == ("preempted by SIGTERM during sft (after step 1 of 2), before RL: the "
-                          "stages before RL are not checkpointed, so the same command trains "
-                          "them again")
+  stages = os.path.join(os.path.abspath(logdir), "stages")
+  assert str(e.value) == (f"preempted by SIGTERM during sft (after step 1 of 2), before RL: its "
+                          f"state is saved in {stages}/sft-1, and the same command resumes it")
   assert steps_run[-1] == ("sft/", 1) and not checkpointing.has_frozen(logdir)
   assert ckpt.newest_step(logdir) is None
+  assert {k: (m["step"], m["done"]) for k, m in checkpointing.saved_stages(logdir).items()} == {
+      "pretrain": (3, True), "sft": (1, False)}
   monkeypatch.setattr(sft, "check_stop", check_stop)
   from rljax.metrics import read_jsonl
 
@@ -244,30 +248,36 @@ def test_sigterm_in_sft_stops_it_and_after_sft_checkpoints_rl_step_0(tmp_path, m
     return [(r["stage"], r["step"]) for r in read_jsonl(os.path.join(logdir, "metrics.jsonl"))]
 
   assert stage_steps()[-1] == ("sft", 1)  # the interrupted start's records
+  # A --noresume start is refused: the saved stages are the run's state.
+  with pytest.raises(ValueError, match="already holds an RLHF run; pass --resume"):
+    pipeline.run_embedded(config, logdir=logdir, log=lambda *_: None, resume=False)
 
   train_sft = sft.train_sft
   calls = []
 
   def train_sft_then_sigterm(*args, **kwargs):
-    calls.append(kwargs.get("prefix"))
+    calls.append((kwargs.get("prefix"), kwargs.get("state") and kwargs["state"].step))
     out = train_sft(*args, **kwargs)
     if kwargs.get("prefix") == "sft/":
       os.kill(os.getpid(), signal.SIGTERM)
     return out
 
   monkeypatch.setattr(sft, "train_sft", train_sft_then_sigterm)
+  lines = []
   with ckpt.SigtermFlag() as flag, pytest.raises(checkpointing.Preempted) as e:
-    pipeline.run_embedded(config, logdir=logdir, log=lambda *_: None, sigterm=flag)
-  assert e.value.step == 0 and calls == ["pretrain/", "sft/"]
-  # The interrupted start's records were dropped when this start began: each stage logged once.
+    pipeline.run_embedded(config, logdir=logdir, log=lines.append, sigterm=flag)
+  assert e.value.step == 0 and calls == [("sft/", 1)], calls  # pre-training was not re-run
+  assert f"pretrain: loaded the finished stage (3 steps) from {stages}/pretrain-3-done" in lines
+  assert f"sft: resuming after step 1 from {stages}/sft-1" in lines
+  # The interrupted start's records were kept up to its saved steps: each stage logged once.
   assert stage_steps() == [("pretrain", 1), ("pretrain", 2), ("pretrain", 3), ("sft", 1),
                            ("sft", 2)], stage_steps()
-  assert os.path.isdir(checkpointing.frozen_dir(logdir))
+  assert os.path.isdir(checkpointing.frozen_dir(logdir)) and not os.path.exists(stages)
   assert sorted(d for d in os.listdir(os.path.join(logdir, "checkpoints")) if d.isdigit()) == ["0"]
 
   lines = []
   s = pipeline.run_embedded(config, logdir=logdir, log=lines.append)
-  assert calls == ["pretrain/", "sft/"], "the rerun trained SFT again"
+  assert calls == [("sft/", 1)], "the rerun trained SFT again"
   assert s["resumed_from"] == 0
   assert f"loaded the SFT model from {checkpointing.frozen_dir(logdir)}" in lines
   for item_run, item_ref in zip(checkpointing.load_state_items(logdir)[1:],

@@ -11,6 +11,8 @@ Layout under ``<logdir>`` (the orbax parts through :mod:`rljax.checkpoint`)::
                                      order, shuffle seed), the PRNG key and the
                                      count of skipped (non-finite) updates
     frozen/                          the frozen roles, written once (see below)
+    stages/<stage>.json, <stage>-<step>/   the stages before RL (pretrain, sft, rm) while
+                                     they run (see below); removed once frozen/ is written
 
 The sampler has no seed stream of its own: each step splits its generation key (and the
 update's minibatch key) from the state's PRNG key, so restoring that key restores the
@@ -27,6 +29,13 @@ pre-training, SFT and reward-model training: that is cheaper than rebuilding the
 exact by construction (the same bits), whatever the machine or library versions do to a
 re-run of those stages.
 
+Stages before RL (:func:`run_stage`). On a SIGTERM, pre-training, SFT and reward-model
+training stop before their next step and save their train state (parameters, optimizer state,
+step, data position) under ``<logdir>/stages``; a stage that ends saves its parameters there
+too. The rerun skips the stages that ended and continues the interrupted one from its step,
+with the same batches. Each save is an orbax folder (atomic) that the stage's small JSON
+marker, written after it, points to; the previous folder is removed only then.
+
 On SIGTERM (:class:`rljax.checkpoint.SigtermFlag`) the current step finishes, a checkpoint is
 written and :class:`Preempted` is raised; the scripts then exit with
 :data:`rljax.checkpoint.EXIT_PREEMPTED` (75), like the control trainer.
@@ -36,6 +45,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -66,8 +76,9 @@ class Preempted(Exception):
 
 
 # A SIGTERM during the stages before RL (pre-training, SFT, reward model) stops them at the next
-# step with this (the scripts exit 75 too); nothing of those stages is saved.
+# step with this (the scripts exit 75 too), after `run_stage` saved the stage's state.
 StageInterrupted = sft.Interrupted
+STAGES_DIR = "stages"
 
 config_to_json = ckpt.config_to_json  # a (nested) config as JSON: enums by value, tuples lists
 
@@ -140,8 +151,6 @@ def save_frozen(logdir: str, models: dict[str, nnx.Module], meta: dict[str, Any]
   item = ckpt.globalize(ckpt.to_saveable({name: nnx.state(m) for name, m in models.items()}))
   roles = os.path.join(path, "roles")
   if runtime.is_primary() and os.path.exists(roles):  # an incomplete earlier attempt: redo it
-    import shutil
-
     shutil.rmtree(roles)
   runtime.sync_processes("rljax-frozen-clear")
   with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as c:  # synchronous (see make_manager)
@@ -179,6 +188,158 @@ def load_frozen(logdir: str, models: dict[str, nnx.Module]) -> dict[str, Any]:
     return json.load(f)
 
 
+# ---- the stages before RL ----------------------------------------------------------------------
+
+
+def stages_dir(logdir: str) -> str:
+  """``<logdir>/stages`` (absolute): the stages' saved states while they run."""
+  return os.path.join(os.path.abspath(logdir), STAGES_DIR)
+
+
+def saved_stages(logdir: str) -> dict[str, dict[str, Any]]:
+  """``{stage: marker}`` of the stages saved under ``logdir``: each marker has ``step``,
+  ``done``, ``folder`` (the orbax folder's name) and ``record`` (the stage's last logged
+  record when ``done``)."""
+  d = stages_dir(logdir)
+  if not os.path.isdir(d):
+    return {}
+  out = {}
+  for name in sorted(os.listdir(d)):
+    if name.endswith(".json") and not name.startswith("."):
+      with open(os.path.join(d, name), encoding="utf-8") as f:
+        out[name[:-len(".json")]] = json.load(f)
+  return out
+
+
+def _jsonable(record: dict[str, Any] | None) -> dict[str, Any] | None:
+  """``record`` with numpy scalars as Python ints and floats."""
+  if record is None:
+    return None
+  return {k: int(v) if isinstance(v, (int, np.integer)) else
+          float(v) if isinstance(v, (float, np.floating)) else v for k, v in record.items()}
+
+
+def _stage_item(state, done: bool) -> dict[str, Any]:
+  tree = {"params": state.params} if done else {"params": state.params,
+                                                "opt_state": state.opt_state}
+  return ckpt.to_saveable(tree)
+
+
+def save_stage(logdir: str, stage: str, state, *, done: bool,
+               record: dict[str, Any] | None = None) -> str:
+  """Saves a stage's train state (an ``SFTState`` or ``RewardModelState``): its parameters,
+  and unless ``done`` its optimizer state, to ``<logdir>/stages/<stage>-<step>`` (orbax,
+  atomic), then the marker ``<stage>.json`` with the step, the data position, the metrics
+  window and ``record``; then removes the stage's earlier folder. Every process calls it.
+  Returns the folder."""
+  d = stages_dir(logdir)
+  folder = f"{stage}-{int(state.step)}{'-done' if done else ''}"
+  path = os.path.join(d, folder)
+  marker = saved_stages(logdir).get(stage)
+  if marker is not None and marker["folder"] == folder:  # saved already: the same state (one
+    return path                                           # more SIGTERM before its next step)
+  if runtime.is_primary() and os.path.exists(path):  # an incomplete earlier attempt: redo it
+    shutil.rmtree(path)
+  runtime.sync_processes(f"rljax-stage-{stage}-clear")
+  with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as c:  # synchronous (see make_manager)
+    c.save(path, args=ocp.args.StandardSave(ckpt.globalize(_stage_item(state, done))))
+  if runtime.is_primary():
+    ckpt.write_json_atomic(os.path.join(d, f"{stage}.json"), dict(
+        step=int(state.step), done=done, folder=folder,
+        data_position=[int(x) for x in state.data_position], window=_jsonable(state.window),
+        record=_jsonable(record)))
+    for name in os.listdir(d):  # the stage's earlier folders (the marker points here now)
+      if name != folder and name.split("-")[0] == stage and not name.endswith(".json"):
+        shutil.rmtree(os.path.join(d, name), ignore_errors=True)
+  runtime.sync_processes(f"rljax-stage-{stage}-saved")
+  return path
+
+
+def load_stage(logdir: str, stage: str, template):
+  """The state saved for ``stage`` under ``logdir``, or None.
+
+  Args:
+    template: the stage's fresh state (``sft.fresh_state`` / ``reward_model.fresh_state``),
+      which gives the tree structure.
+
+  Returns:
+    ``(state, marker)``: ``state`` is ``template`` with the saved parameters, step, data
+    position and metrics window, and the optimizer state unless the stage ended
+    (``marker["done"]``).
+
+  Raises:
+    ValueError: the saved state does not fit ``template`` (names or shapes differ).
+  """
+  marker = saved_stages(logdir).get(stage)
+  if marker is None:
+    return None
+  path = os.path.join(stages_dir(logdir), marker["folder"])
+  local = _stage_item(template, marker["done"])
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, ckpt.globalize(local))
+  try:
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as c:
+      saved = ckpt.localize(c.restore(path, args=ocp.args.StandardRestore(abstract)), local)
+  except Exception as e:  # orbax raises many types for unreadable or mismatched data
+    raise ValueError(f"the {stage} state in {path} cannot be loaded into this run's model "
+                     f"({type(e).__name__}: {str(e)[:300]})") from None
+  tree = ckpt.from_saveable({"params": template.params, "opt_state": template.opt_state}, saved)
+  state = template._replace(params=tree["params"], opt_state=tree["opt_state"],
+                            step=int(marker["step"]),
+                            data_position=text_data.DataPosition(*marker["data_position"]),
+                            window=marker["window"])
+  return state, marker
+
+
+def drop_stages(logdir: str) -> None:
+  """Removes ``<logdir>/stages`` (once ``frozen/`` holds what the stages made)."""
+  if runtime.is_primary():
+    shutil.rmtree(stages_dir(logdir), ignore_errors=True)
+  runtime.sync_processes("rljax-stages-dropped")
+
+
+def run_stage(logdir: str | None, stage: str, train: Callable, model: nnx.Module,
+              template: Callable[[], Any], *, log: Callable[[str], None] = print
+              ) -> tuple[nnx.Module, dict[str, Any], bool]:
+  """Runs a stage before RL with its state saved under ``<logdir>/stages`` (no saving when
+  ``logdir`` is None).
+
+  A stage saved as ended is not run: its parameters go into ``model``. A stage saved part-way
+  continues from its saved step. An `sft.Interrupted` (SIGTERM) is re-raised after its state
+  is saved (its ``saved_in`` names the folder).
+
+  Args:
+    stage: ``"pretrain"``, ``"sft"`` or ``"rm"``.
+    train: ``(model, state or None) -> (model, state, history)``, e.g. ``sft.train_sft``
+      with its other arguments bound.
+    template: ``() -> fresh state`` of the stage (the structure a saved one is restored into).
+
+  Returns:
+    ``(model, record, ran)``: the trained model, the stage's last logged record (the saved
+    one when the stage had ended) and whether the stage ran in this call.
+  """
+  if logdir is None:
+    model, _, history = train(model, None)
+    return model, history[-1], True
+  state = None
+  saved = load_stage(logdir, stage, template()) if stage in saved_stages(logdir) else None
+  if saved is not None:
+    state, marker = saved
+    where = os.path.join(stages_dir(logdir), marker["folder"])
+    if marker["done"]:
+      nnx.update(model, state.params)
+      log(f"{stage}: loaded the finished stage ({state.step} steps) from {where}")
+      return model, marker["record"], False
+    log(f"{stage}: resuming after step {state.step} from {where}")
+  try:
+    model, state, history = train(model, state)
+  except sft.Interrupted as e:
+    if e.state is not None:
+      e.saved_in = save_stage(logdir, stage, e.state, done=False)
+    raise
+  save_stage(logdir, stage, state, done=True, record=history[-1])
+  return model, history[-1], True
+
+
 # ---- resume checks and the host loop ------------------------------------------------------------
 
 
@@ -188,10 +349,12 @@ def check_logdir(logdir: str, section: str, config_json: dict[str, Any], *, resu
   is written, so that a refused command leaves the run's folder as it was).
 
   Raises:
-    ValueError: ``logdir`` holds RLHF state (frozen roles or RL checkpoints) and ``resume`` is
-      False, or its saved config differs from ``config_json`` (see `prepare`).
+    ValueError: ``logdir`` holds RLHF state (a stage's saved state, frozen roles or RL
+      checkpoints) and ``resume`` is False, or its saved config differs from ``config_json``
+      (see `prepare`).
   """
-  exists = has_frozen(logdir) or ckpt.newest_step(logdir) is not None
+  exists = (bool(saved_stages(logdir)) or has_frozen(logdir)
+            or ckpt.newest_step(logdir) is not None)
   if exists and not resume:
     raise ValueError(f"--logdir {logdir!r} already holds an RLHF run; pass --resume to continue "
                      f"it or use a new --logdir (its checkpoints are left untouched).")
@@ -199,18 +362,27 @@ def check_logdir(logdir: str, section: str, config_json: dict[str, Any], *, resu
     ckpt.check_same_config(logdir, section, config_json, defaults)
 
 
+def _keep_stage_records(path: str, stages: dict[str, dict[str, Any]]) -> None:
+  """Drops the records of ``metrics.jsonl`` at ``path`` that no saved stage covers: those of
+  other stages (RL included) and those after a saved stage's step."""
+  ckpt.truncate_jsonl(path, -1, lambda r: r.get("stage") not in stages)
+  for stage, marker in stages.items():
+    ckpt.truncate_jsonl(path, int(marker["step"]), lambda r, s=stage: r.get("stage") == s)
+
+
 def prepare(logdir: str, section: str, config_json: dict[str, Any], *, resume: bool,
             defaults: dict[str, Any] | None = None) -> bool:
   """Checks ``logdir`` before anything is built or compiled; returns whether to resume.
 
   With ``resume``, a run whose saved config differs is refused when the ``logdir`` holds its
-  state (frozen roles or RL checkpoints); a field the saved config lacks (added after the run
+  state (a stage's saved state, frozen roles or RL checkpoints); a field the saved config lacks (added after the run
   started) counts as its entry in ``defaults`` (flat dotted keys,
   :func:`rljax.checkpoint.dataclass_defaults` of the config class). A config saved by a run
   that stopped before saving any state (e.g. on bad input) does not bind the next one. Without
   ``resume``, a ``logdir`` that already holds RLHF state is refused (its checkpoints are left
-  untouched). Then the config is written to ``<logdir>/checkpoints/config.json``; on a fresh
-  start the records of an earlier start that saved no state are dropped from ``metrics.jsonl``.
+  untouched). Then the config is written to ``<logdir>/checkpoints/config.json``. Before RL
+  (no frozen roles yet), ``metrics.jsonl`` keeps only the records of the stages saved under
+  ``<logdir>/stages``, up to their saved steps: an earlier start's later records are redone.
 
   Returns:
     True when ``resume`` and the frozen roles are saved (the RL stage can start from them).
@@ -225,8 +397,8 @@ def prepare(logdir: str, section: str, config_json: dict[str, Any], *, resume: b
   if runtime.is_primary():
     ckpt.write_json_atomic(os.path.join(ckpt.checkpoint_dir(logdir), ckpt.CONFIG_FILE),
                            {section: config_json})
-    if not frozen:  # a fresh start: an earlier one that saved no state (e.g. stopped in SFT)
-      ckpt.truncate_jsonl(os.path.join(logdir, "metrics.jsonl"), -1)  # is redone: its records go
+    if not frozen:  # what an earlier start logged past its saved stages is redone: those go
+      _keep_stage_records(os.path.join(logdir, "metrics.jsonl"), saved_stages(logdir))
   runtime.sync_processes("rljax-prepare-written")
   return frozen
 

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -438,6 +439,22 @@ def _stop_on(sigterm):
   return None if sigterm is None else sigterm.any_process
 
 
+def _sft_stage(logdir: str | None, stage: str, model, examples, config: sft.SFTConfig, *,
+               pad_id: int, writer, layout, sigterm, log) -> tuple[Any, dict[str, Any]]:
+  """`sft.train_sft` as stage ``stage`` (``"pretrain"`` or ``"sft"``) through
+  `checkpointing.run_stage`: saved under ``<logdir>/stages`` (None: not saved), resumed from
+  there. Returns the model and the stage's last record."""
+  from rljax.alignment import checkpointing
+
+  def train(m, state):
+    return sft.train_sft(m, examples, config, pad_id=pad_id, writer=writer, state=state,
+                         prefix=f"{stage}/", layout=layout, should_stop=_stop_on(sigterm))
+
+  model, record, _ = checkpointing.run_stage(
+      logdir, stage, train, model, lambda: sft.fresh_state(model, config), log=log)
+  return model, record
+
+
 def saved_config(config: EmbeddedConfig | PreferenceConfig, data: str | None = None
                  ) -> dict[str, Any]:
   """What an RL run saves and checks in ``<logdir>/checkpoints/config.json``: the keyword
@@ -515,22 +532,22 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
   if resuming:  # the SFT model, saved before the first RL step: exact, and no re-training
     meta = checkpointing.load_frozen(logdir, {"reference": model})
     log(f"loaded the SFT model from {checkpointing.frozen_dir(logdir)}")
+  stage_dir = logdir if use_ckpt else None  # where the stages' states are saved
   if config.pretrain_steps and not resuming:
-    model, _, h = sft.train_sft(model, pre, sft.SFTConfig(
+    model, rec = _sft_stage(stage_dir, "pretrain", model, pre, sft.SFTConfig(
         num_steps=config.pretrain_steps, batch_size=config.batch_size,
         learning_rate=config.pretrain_lr, log_every=max(config.pretrain_steps // 3, 1), seed=s),
-        pad_id=tok.PAD, writer=writer, prefix="pretrain/", layout=layout,
-        should_stop=_stop_on(sigterm))
-    log(f"pretrain: {config.pretrain_steps} steps, loss {h[-1]['pretrain/loss']:.3f}")
+        pad_id=tok.PAD, writer=writer, layout=layout, sigterm=sigterm, log=log)
+    log(f"pretrain: {config.pretrain_steps} steps, loss {rec['pretrain/loss']:.3f}")
   t_pre = time.perf_counter()
   examples = sft.tokenize_examples(task.sft_examples(20_000, s + 2), tok, max_prompt_len=16,
                                    max_response_len=8)
   if config.sft_steps and not resuming:
-    model, _, h = sft.train_sft(model, examples, sft.SFTConfig(
+    model, rec = _sft_stage(stage_dir, "sft", model, examples, sft.SFTConfig(
         num_steps=config.sft_steps, batch_size=config.batch_size, learning_rate=config.sft_lr,
         log_every=max(config.sft_steps // 2, 1), seed=s), pad_id=tok.PAD, writer=writer,
-        prefix="sft/", layout=layout, should_stop=_stop_on(sigterm))
-    log(f"sft: {config.sft_steps} steps, response loss {h[-1]['sft/loss']:.3f}")
+        layout=layout, sigterm=sigterm, log=log)
+    log(f"sft: {config.sft_steps} steps, response loss {rec['sft/loss']:.3f}")
   t_sft = time.perf_counter()
 
   eval_prompts = task.prompts(config.num_eval_prompts, s + 1000)
@@ -541,6 +558,7 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
                                  max_new_tokens=config.rl.max_new_tokens)
     if use_ckpt:
       checkpointing.save_frozen(logdir, {"reference": model}, {"accuracy_before": acc_before})
+      checkpointing.drop_stages(logdir)
   if eval_prompts:
     log(f"greedy exact-match accuracy after SFT: {acc_before:.3f}")
   if stop_after == "sft":
@@ -879,6 +897,8 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
   use_ckpt = logdir is not None and stop_after == "rl"
   resuming = use_ckpt and checkpointing.prepare(logdir, **saved_config(config, path),
                                                  resume=resume)
+  stage_dir = logdir if use_ckpt else None  # where the stages' states are saved
+  staged = use_ckpt and bool(checkpointing.saved_stages(logdir))  # a stage to continue
   layout = train_layout(placement)
   train_pairs, held_pairs = split_preference_pairs(pairs, config)
   log(f"{path}: {len(pairs)} pairs ({len(train_pairs)} train / {len(held_pairs)} held out)")
@@ -887,7 +907,7 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
     log(note)
   from rljax.models.tokenizer import load_tokenizer
 
-  if resuming:  # the tokenizer the interrupted run trained (and saved)
+  if resuming or staged:  # the tokenizer the interrupted run trained (and saved)
     tok = load_tokenizer(os.path.join(logdir, "tokenizer"))
   elif pretrained is not None:
     tok = pretrained[1]
@@ -904,7 +924,7 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
                                num_kv_heads=config.num_kv_heads, eos=tok.eos_token_id,
                                pad=tok.pad_token_id, bos=tok.bos_token_id)
   prompts = _checked_prompts(config, tok, train_pairs, lm_config.max_position_embeddings, log=log)
-  if logdir is not None and not resuming:
+  if logdir is not None and not (resuming or staged):
     text_data.save_tokenizer(tok, os.path.join(logdir, "tokenizer"))
   model = (pretrained[0] if pretrained is not None
            else DecoderLM(lm_config, rngs=nnx.Rngs(config.seed)))
@@ -930,22 +950,22 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
   if config.pretrain_steps and pretrained is None:
     # Language modelling on whole (truncated) dialogues: every token is a target.
     lm_data = [([tok.bos_token_id], (list(p) + list(r))[1:]) for p, r in sft_data]
-    model, _, h = sft.train_sft(model, lm_data, sft.SFTConfig(
+    model, rec = _sft_stage(stage_dir, "pretrain", model, lm_data, sft.SFTConfig(
         num_steps=config.pretrain_steps, batch_size=config.batch_size, learning_rate=config.lr,
         length_buckets=buckets, log_every=50, seed=config.seed, packing=config.packing,
         pack_length=2 * max_len), pad_id=tok.pad_token_id,
-        writer=writer, prefix="pretrain/", layout=layout, should_stop=_stop_on(sigterm))
-    log(f"pretrain: {config.pretrain_steps} steps, loss {h[-1]['pretrain/loss']:.3f}")
+        writer=writer, layout=layout, sigterm=sigterm, log=log)
+    log(f"pretrain: {config.pretrain_steps} steps, loss {rec['pretrain/loss']:.3f}")
   t_pre = time.perf_counter()
   sft_loss = float("nan")
   if config.sft_steps:
-    model, _, h = sft.train_sft(model, sft_data, sft.SFTConfig(
+    model, rec = _sft_stage(stage_dir, "sft", model, sft_data, sft.SFTConfig(
         num_steps=config.sft_steps, batch_size=config.batch_size,
         learning_rate=config.sft_learning_rate,
         length_buckets=buckets, log_every=50, seed=config.seed, packing=config.packing,
         pack_length=2 * max_len), pad_id=tok.pad_token_id,
-        writer=writer, prefix="sft/", layout=layout, should_stop=_stop_on(sigterm))
-    sft_loss = h[-1]["sft/loss"]
+        writer=writer, layout=layout, sigterm=sigterm, log=log)
+    sft_loss = rec["sft/loss"]
     log(f"sft: {config.sft_steps} steps at learning rate {config.sft_learning_rate:g}, "
         f"response loss {sft_loss:.3f}")
   else:
@@ -971,12 +991,15 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
     rm_model = nnx.merge(gd, jax.tree.map(jnp.copy, st))  # the reward model starts from SFT
     tr = rm_lib.tokenize_pairs(train_pairs, tok, max_prompt_len=config.max_prompt_len,
                                max_response_len=config.max_response_len)
-    rm_model, _, h = rm_lib.train_reward_model(rm_model, tr, rm_lib.RewardModelConfig(
+    rm_config = rm_lib.RewardModelConfig(
         num_steps=config.rm_steps, batch_size=config.rm_batch_size, learning_rate=config.rm_lr,
-        margin=config.rm_margin,
-        length_buckets=buckets, log_every=50, seed=config.seed), pad_id=tok.pad_token_id,
-        eval_pairs=ho, writer=writer, layout=layout, should_stop=_stop_on(sigterm))
-    ev = h[-1]
+        margin=config.rm_margin, length_buckets=buckets, log_every=50, seed=config.seed)
+    train = functools.partial(rm_lib.train_reward_model, train_pairs=tr, config=rm_config,
+                              pad_id=tok.pad_token_id, eval_pairs=ho, writer=writer,
+                              layout=layout, should_stop=_stop_on(sigterm))
+    rm_model, ev, _ = checkpointing.run_stage(
+        stage_dir, "rm", lambda m, state: train(m, state=state), rm_model,
+        lambda: rm_lib.fresh_state(rm_model, rm_config), log=log)
   if stop_after != "rm":  # train_reward_model.py prints it in its summary line
     trained = "" if loaded_rm is not None else f" ({config.rm_steps} steps)"
     log(f"reward model{trained}: held-out accuracy {ev['rm/eval_accuracy']:.3f} "
@@ -1005,6 +1028,7 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
           "pretrain_s": t_pre - t0, "sft_s": t_sft - t_pre, "rm_s": t_rm - t_sft}
   if use_ckpt:
     checkpointing.save_frozen(logdir, {"reference": model, "reward": rm_model}, meta)
+    checkpointing.drop_stages(logdir)
   return _preference_rl(config, tok, prompts, model, rm_model, meta, logdir=logdir,
                         tokenizer_dir=tokenizer_dir, writer=writer, log=log, placement=placement,
                         t0=t0, num_pairs=len(pairs), checkpoint_every=checkpoint_every,

@@ -14,14 +14,13 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 
 from rljax.alignment import losses, modeling
-from rljax.alignment.sft import (DEFAULT_LENGTH_BUCKETS, check_stop, check_training_fields,
-                                 make_optimizer)
+from rljax.alignment.sft import (DEFAULT_LENGTH_BUCKETS, check_training_fields, optimizer_for,
+                                 stop_point)
 from rljax.envs.text import data as text_data
 from rljax.sampling import bucket_size
 
@@ -71,12 +70,14 @@ class RewardModelConfig:
 
 
 class RewardModelState(NamedTuple):
-  """Train state: parameters (``nnx.State``), optimizer state, step, data position."""
+  """Train state: parameters (``nnx.State``), optimizer state, step, data position, and
+  ``window``: the sums behind the next metrics record (as ``sft.SFTState``'s)."""
 
   params: Any
   opt_state: Any
   step: int
   data_position: text_data.DataPosition
+  window: dict[str, float] | None = None
 
 
 class EvalResult(NamedTuple):
@@ -189,6 +190,14 @@ def evaluate(graphdef, params, pairs: Sequence[Pair], *, pad_id: int, batch_size
   return EvalResult(correct / len(pairs), lo, hi, loss_sum / len(pairs), len(pairs))
 
 
+def fresh_state(model: nnx.Module, config: RewardModelConfig) -> RewardModelState:
+  """The state `train_reward_model` starts ``model`` from (step 0), the template a saved
+  state is restored into."""
+  params = nnx.state(model, nnx.Param)
+  return RewardModelState(params, optimizer_for(config).init(params), 0,
+                          text_data.init_data_position(config.seed))
+
+
 def train_reward_model(
     model: nnx.Module,
     train_pairs: Sequence[Pair],
@@ -200,6 +209,7 @@ def train_reward_model(
     prefix: str = "rm/",
     layout=None,
     should_stop=None,
+    state: RewardModelState | None = None,
 ) -> tuple[nnx.Module, RewardModelState, list[dict[str, float]]]:
   """Trains the reward head and body of ``model`` with the Bradley-Terry loss.
 
@@ -207,43 +217,48 @@ def train_reward_model(
   ``layout``: an optional :class:`rljax.alignment.layout.TrainLayout` (mesh + rules preset):
   params and optimizer state sharded by its rules, each batch's rows split over its data axes.
   ``should_stop``: ``() -> bool``, asked before every step (e.g. whether SIGTERM came).
+  ``state``: resume from this state (`fresh_state`'s structure), e.g. the one an `Interrupted`
+  carries: the run then continues as an uninterrupted one would, records included.
 
   Raises:
     ValueError: no training pairs, or a pair longer than the largest bucket.
-    rljax.alignment.sft.Interrupted: ``should_stop()`` returned True.
+    rljax.alignment.sft.Interrupted: ``should_stop()`` returned True; it carries the state to
+      resume from.
     rljax.sharding.mesh.MeshError: ``2 * batch_size`` rows not divisible by the data axes.
   """
   if not train_pairs:
     raise ValueError("train_reward_model: empty dataset")
   graphdef, params = nnx.split(model, nnx.Param)
-  optimizer = make_optimizer(config.learning_rate, warmup_steps=config.warmup_steps,
-                             weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm)
+  optimizer = optimizer_for(config)
   step_fn = make_rm_step(graphdef, optimizer, config.margin)
   lengths = np.asarray([_length(x) for x in train_pairs])
   if lengths.max() > config.length_buckets[-1]:
     raise ValueError(f"a pair has {lengths.max()} tokens > largest bucket {config.length_buckets[-1]}")
-  opt_state = optimizer.init(params)
+  if state is None:
+    state = RewardModelState(params, optimizer.init(params), 0,
+                             text_data.init_data_position(config.seed))
+  params, opt_state, start, pos, window = state
   if layout is not None:  # rljax.alignment.layout.TrainLayout; checked before compiling
     layout.check_batch(2 * config.batch_size, what="2 * batch_size (chosen + rejected rows)")
     params, opt_state = layout.shard(params), layout.shard(opt_state)
-  pos = text_data.init_data_position(config.seed)
   history = []
   t0 = time.perf_counter()
-  acc_loss = acc_acc = 0.0
-  n_acc = 0
-  for step in range(1, config.num_steps + 1):
-    check_stop(should_stop, prefix, step - 1, config.num_steps)
+  acc = dict(window or dict(loss=0.0, accuracy=0.0, n=0))
+  for step in range(start + 1, config.num_steps + 1):
+    stop_point(should_stop, prefix, config.num_steps,
+               RewardModelState(params, opt_state, step - 1, pos, dict(acc)))
     idx, pos = text_data.next_batch_indices(pos, len(train_pairs), config.batch_size,
                                             lengths=lengths, group_size=config.batch_size * 16)
     length = bucket_size(int(lengths[idx].max()), config.length_buckets)
     batch = make_batch([train_pairs[i] for i in idx], length, pad_id)
     params, opt_state, metrics = step_fn(
         params, opt_state, batch if layout is None else layout.put_batch(batch))
-    acc_loss += float(metrics["loss"])
-    acc_acc += float(metrics["accuracy"])
-    n_acc += 1
+    acc["loss"] += float(metrics["loss"])
+    acc["accuracy"] += float(metrics["accuracy"])
+    acc["n"] += 1
     if step % config.log_every == 0 or step == config.num_steps:
-      rec = {f"{prefix}loss": acc_loss / n_acc, f"{prefix}train_accuracy": acc_acc / n_acc,
+      rec = {f"{prefix}loss": acc["loss"] / acc["n"],
+             f"{prefix}train_accuracy": acc["accuracy"] / acc["n"],
              f"{prefix}grad_norm": float(metrics["grad_norm"]),
              f"{prefix}wall_s": time.perf_counter() - t0}
       if step == config.num_steps and eval_pairs:
@@ -253,7 +268,6 @@ def train_reward_model(
       history.append(dict(rec, step=step))
       if writer is not None:
         writer.write(step, rec, stage=prefix.strip("/") or None)
-      acc_loss = acc_acc = 0.0
-      n_acc = 0
+      acc = dict(loss=0.0, accuracy=0.0, n=0)
   nnx.update(model, params)
-  return model, RewardModelState(params, opt_state, config.num_steps, pos), history
+  return model, RewardModelState(params, opt_state, config.num_steps, pos, acc), history

@@ -90,12 +90,15 @@ class SFTConfig:
 
 
 class SFTState(NamedTuple):
-  """Train state: parameters (``nnx.State``), optimizer state, step, data position."""
+  """Train state: parameters (``nnx.State``), optimizer state, step, data position, and
+  ``window``: the sums behind the next metrics record (the steps since the last one; None:
+  none yet), so that a resumed stage logs what an uninterrupted one does."""
 
   params: Any
   opt_state: Any
   step: int
   data_position: text_data.DataPosition
+  window: dict[str, float] | None = None
 
 
 def check_training_fields(config) -> tuple[int, ...]:
@@ -269,21 +272,57 @@ def init_state(params, optimizer, seed: int) -> SFTState:
   return SFTState(params, optimizer.init(params), 0, text_data.init_data_position(seed))
 
 
+def optimizer_for(config) -> optax.GradientTransformation:
+  """`make_optimizer` from a `SFTConfig`'s or ``RewardModelConfig``'s fields."""
+  return make_optimizer(config.learning_rate, warmup_steps=config.warmup_steps,
+                        weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm)
+
+
+def fresh_state(model: nnx.Module, config: SFTConfig) -> SFTState:
+  """The state `train_sft` starts ``model`` from: its ``nnx.Param`` state, the optimizer's
+  initial state, step 0 (the template a saved state is restored into)."""
+  return init_state(nnx.state(model, nnx.Param), optimizer_for(config), config.seed)
+
+
 class Interrupted(Exception):
   """A training stage (SFT, pre-training, reward model) stopped before ``step + 1`` of
-  ``num_steps`` because its ``should_stop`` said so (a SIGTERM); nothing of it is saved."""
+  ``num_steps`` because its ``should_stop`` said so (a SIGTERM).
 
-  def __init__(self, stage: str, step: int, num_steps: int):
-    super().__init__(
-        f"preempted by SIGTERM during {stage} (after step {step} of {num_steps}), before RL: "
-        f"the stages before RL are not checkpointed, so the same command trains them again")
+  Attributes:
+    stage, step, num_steps: where it stopped.
+    state: the stage's train state at that point (an `SFTState` or
+      ``reward_model.RewardModelState``), set by the training loop; None if it is not known.
+    saved_in: the folder the state was saved to
+      (:func:`rljax.alignment.checkpointing.run_stage`), else None; the message says which.
+  """
+
+  def __init__(self, stage: str, step: int, num_steps: int, state=None):
+    super().__init__(stage, step, num_steps)
     self.stage, self.step, self.num_steps = stage, step, num_steps
+    self.state, self.saved_in = state, None
+
+  def __str__(self) -> str:
+    where = (f"preempted by SIGTERM during {self.stage} (after step {self.step} of "
+             f"{self.num_steps}), before RL")
+    if self.saved_in is None:
+      return f"{where}: the stage's state was not saved, so it starts again"
+    return f"{where}: its state is saved in {self.saved_in}, and the same command resumes it"
 
 
 def check_stop(should_stop, prefix: str, step: int, num_steps: int) -> None:
   """Raises `Interrupted` if ``should_stop`` (a ``() -> bool`` or None) returns True."""
   if should_stop is not None and should_stop():
     raise Interrupted(prefix.strip("/") or "training", step, num_steps)
+
+
+def stop_point(should_stop, prefix: str, num_steps: int, state) -> None:
+  """`check_stop` before the step after ``state.step``; the `Interrupted` it raises carries
+  ``state`` (what a checkpoint of the stage saves)."""
+  try:
+    check_stop(should_stop, prefix, state.step, num_steps)
+  except Interrupted as e:
+    e.state = state
+    raise
 
 
 def train_sft(
@@ -317,14 +356,12 @@ def train_sft(
   Raises:
     ValueError: no examples, or an example longer than the largest bucket (the pack length
       when packing).
-    Interrupted: ``should_stop()`` returned True.
+    Interrupted: ``should_stop()`` returned True; it carries the state to resume from.
   """
   if not examples:
     raise ValueError("train_sft: empty dataset")
   graphdef, params = nnx.split(model, nnx.Param)
-  optimizer = make_optimizer(config.learning_rate, warmup_steps=config.warmup_steps,
-                             weight_decay=config.weight_decay,
-                             max_grad_norm=config.max_grad_norm)
+  optimizer = optimizer_for(config)
   step_fn = make_sft_step(graphdef, optimizer)
   if state is None:
     state = init_state(params, optimizer, config.seed)
@@ -332,7 +369,7 @@ def train_sft(
   if not config.packing and lengths.max() > config.length_buckets[-1]:
     raise ValueError(f"an example has {lengths.max()} tokens > largest length bucket "
                      f"{config.length_buckets[-1]}")
-  params, opt_state, step, pos = state
+  params, opt_state, step, pos, window = state
   if config.packing:
     # Packed once; the data position then walks over rows (shuffled per epoch).
     packed = pack_examples(examples, config.pack_length or config.length_buckets[-1], pad_id)
@@ -348,9 +385,10 @@ def train_sft(
     params, opt_state = layout.shard(params), layout.shard(opt_state)
   history = []
   t0 = time.perf_counter()
-  acc = dict(loss=0.0, n=0, pad=0.0)
+  acc = dict(window or dict(loss=0.0, n=0, pad=0.0))
   while step < config.num_steps:
-    check_stop(should_stop, prefix, step, config.num_steps)
+    stop_point(should_stop, prefix, config.num_steps,
+               SFTState(params, opt_state, step, pos, dict(acc)))
     if config.packing:
       idx, pos = text_data.next_batch_indices(pos, num_rows, rows_per_step)
       batch = {k: v[idx] for k, v in packed.items()}
@@ -364,7 +402,7 @@ def train_sft(
     step += 1
     acc["loss"] += float(metrics["loss"])
     acc["n"] += 1
-    acc["pad"] += 1.0 - batch["mask"].mean()
+    acc["pad"] += float(1.0 - batch["mask"].mean())
     if step % config.log_every == 0 or step == config.num_steps:
       rec = {f"{prefix}loss": acc["loss"] / acc["n"],
              f"{prefix}grad_norm": float(metrics["grad_norm"]),
@@ -375,4 +413,4 @@ def train_sft(
         writer.write(step, rec, stage=prefix.strip("/") or None)
       acc = dict(loss=0.0, n=0, pad=0.0)
   nnx.update(model, params)
-  return model, SFTState(params, opt_state, step, pos), history
+  return model, SFTState(params, opt_state, step, pos, acc), history
