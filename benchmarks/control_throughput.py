@@ -67,9 +67,10 @@ _REPEATS = flags.DEFINE_integer(
     "Run the identical-settings pair this many times, alternating the order (rljax, Brax, "
     "Brax, rljax, rljax, Brax, ...), so that a drift of the machine's speed during the process "
     "weighs on both alike. rljax_sps, brax_sps and the wall times are then medians over the "
-    "repeats, and the ratios are theirs; each run's figures are in the JSON (*_runs). On the "
-    "2-core machines the same code's steady rates moved by up to 20% between runs "
-    "(benchmarks/HISTORY.md, stop 40).",
+    "repeats, and the ratios are theirs; each run's figures are in the JSON (*_runs). rljax's "
+    "default run is repeated as often (after the pairs), and rljax_default_sps, whose ratio to "
+    "the limit is fraction_of_limit, is its median. On the 2-core machines the same code's "
+    "steady rates moved by up to 20% between runs (benchmarks/HISTORY.md, stop 40).",
     lower_bound=1)
 _DEFAULT_TIMESTEPS = flags.DEFINE_integer(
     "default_num_timesteps", None,
@@ -325,12 +326,15 @@ def main(argv):
       runs[name].append(r)
       print(f"  {name:<5} (identical, run {repeat + 1} of {_REPEATS.value}): {r}", flush=True)
   ours, brax = median_run(runs["rljax"]), median_run(runs["brax"])
-  default = None
+  default, default_runs = None, []
   if not _SKIP_DEFAULT.value:
     dc = default_config(env_name)
     dc = dc.replace(num_timesteps=_DEFAULT_TIMESTEPS.value or _TIMESTEPS.value, num_evals=5)
-    default = run_rljax(dc)
-    print(f"  rljax (default {dc.num_envs} envs, {dc.policy_hidden}/{dc.value_hidden}): {default}", flush=True)
+    for repeat in range(_REPEATS.value):
+      default_runs.append(run_rljax(dc))
+      print(f"  rljax (default {dc.num_envs} envs, {dc.policy_hidden}/{dc.value_hidden}, run "
+            f"{repeat + 1} of {_REPEATS.value}): {default_runs[-1]}", flush=True)
+    default = median_run(default_runs)
   # The limit is the fastest of XLA's default compiler options and the ones rljax compiles its
   # physics with (rljax.runtime.control_compiler_options), so fraction_of_limit cannot exceed 1
   # by a compiler setting alone; and of this process (after the trainers) and a fresh one.
@@ -369,6 +373,7 @@ def main(argv):
       brax_sps_runs=[r["sps"] for r in runs["brax"]],
       rljax_wall_s_runs=[r["wall_s"] for r in runs["rljax"]],
       brax_wall_s_runs=[r["wall_s"] for r in runs["brax"]],
+      rljax_default_sps_runs=[r["sps"] for r in default_runs],
   )
   print("\n| metric | value |\n|---|---|")
   for k, v in result.items():
