@@ -76,7 +76,7 @@ def _stage_records(logdir):
 
   return [{k: v for k, v in r.items() if not k.endswith("wall_s")}
           for r in read_jsonl(os.path.join(logdir, "metrics.jsonl"))
-          if r.get("stage") in ("pretrain", "sft", "rm")]
+          if r.get("stage") in ("pretrain", "sft", "rm", "rm_norm")]
 
 
 @pytest.mark.slow
@@ -144,6 +144,11 @@ def test_preference_sigkill_then_resume_is_bitwise_exact(setup, tmp_path):
   assert _rl_records(logdir) == _rl_records(ref)
   # And so do the stages' records (the reward model's window spans its interruption).
   assert _stage_records(logdir) == _stage_records(ref) != []
+  from rljax.metrics import read_jsonl
+
+  for d in (logdir, ref):  # one record per stage and step
+    keys = [(r.get("stage"), r["step"]) for r in read_jsonl(os.path.join(d, "metrics.jsonl"))]
+    assert len(keys) == len(set(keys)) and ("rm_norm", 10) in keys, keys
   # summary.json, as the embedded pipeline writes it: the resumed run's whole-history summary
   # equals the uninterrupted run's, and it names the step it resumed after.
   summaries = []

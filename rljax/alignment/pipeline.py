@@ -1021,7 +1021,10 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
                                       max_new_tokens=config.rl.max_new_tokens, seed=config.seed)
     log(f"reward model normalised on {n} SFT samples: raw score mean {mean:.3f}, std {std:.3f}")
     if writer is not None:
-      writer.write(config.rm_steps, {"rm/norm_mean": mean, "rm/norm_std": std}, stage="rm")
+      # Its own stage: the last reward-model record (stage "rm", the same step) stays the one
+      # record of that step, and a resume before RL redoes it (it is not a saved stage).
+      writer.write(config.rm_steps, {"rm/norm_mean": mean, "rm/norm_std": std},
+                   stage="rm_norm")
   meta = {"rm/eval_accuracy": ev["rm/eval_accuracy"],
           "rm/eval_accuracy_ci_low": ev["rm/eval_accuracy_ci_low"],
           "rm/eval_accuracy_ci_high": ev["rm/eval_accuracy_ci_high"], "rm_heldout": len(ho),
