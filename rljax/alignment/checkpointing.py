@@ -31,9 +31,9 @@ re-run of those stages.
 
 Stages before RL (:func:`run_stage`). On a SIGTERM, pre-training, SFT and reward-model
 training stop before their next step and save their train state (parameters, optimizer state,
-step, data position) under ``<logdir>/stages``; a stage that ends saves its parameters there
-too. The rerun skips the stages that ended and continues the interrupted one from its step,
-with the same batches. Each save is an orbax folder (atomic) that the stage's small JSON
+step, data position, the sums behind the next metrics record) under ``<logdir>/stages``; a
+stage that ends saves its parameters there too. The rerun skips the stages that ended and
+continues the interrupted one from its step, with the same batches and records. Each save is an orbax folder (atomic) that the stage's small JSON
 marker, written after it, points to; the previous folder is removed only then.
 
 On SIGTERM (:class:`rljax.checkpoint.SigtermFlag`) the current step finishes, a checkpoint is
@@ -198,8 +198,9 @@ def stages_dir(logdir: str) -> str:
 
 def saved_stages(logdir: str) -> dict[str, dict[str, Any]]:
   """``{stage: marker}`` of the stages saved under ``logdir``: each marker has ``step``,
-  ``done``, ``folder`` (the orbax folder's name) and ``record`` (the stage's last logged
-  record when ``done``)."""
+  ``done``, ``folder`` (the orbax folder's name), ``data_position`` (``[epoch, index, seed]``),
+  ``window`` (the sums behind the next metrics record) and ``record`` (the stage's last logged
+  record when ``done``, else None)."""
   d = stages_dir(logdir)
   if not os.path.isdir(d):
     return {}
