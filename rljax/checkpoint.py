@@ -544,7 +544,8 @@ class SigtermFlag:
 
   The handler only sets a flag, so it can never interrupt a checkpoint write. Installed
   only from the main thread (``signal`` allows no other); elsewhere it never fires.
-  Use as a context manager; the previous handler is restored on exit.
+  Use as a context manager; the previous handler is restored on exit (in the scripts, after a
+  SIGTERM was taken, one that exits 75 at once on another: `rljax.preemption.handler_after`).
   """
 
   def __init__(self):
@@ -578,5 +579,5 @@ class SigtermFlag:
 
   def __exit__(self, *exc):
     if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
+      signal.signal(signal.SIGTERM, preemption.handler_after(self._previous, self.received))
       self._previous = None

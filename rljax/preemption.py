@@ -34,6 +34,25 @@ def _exit_preempted(signum, frame) -> None:
   os._exit(EXIT_PREEMPTED)
 
 
+def _exit_again(signum, frame) -> None:
+  """A SIGTERM after the trainer's own handler took one (the run is already stopping): exits
+  with :data:`EXIT_PREEMPTED` at once, saying so."""
+  del signum, frame
+  print(f"another SIGTERM while exiting after the first; exiting with status {EXIT_PREEMPTED}",
+        file=sys.stderr)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(EXIT_PREEMPTED)
+
+
+def handler_after(previous, received: bool):
+  """The SIGTERM handler a trainer's flag (:class:`rljax.checkpoint.SigtermFlag`) restores when
+  it exits: ``previous``; but where that is this module's early handler and the flag took a
+  SIGTERM (the run is stopping, its state saved), one whose message says that a second SIGTERM
+  came while exiting, not that there was nothing to save."""
+  return _exit_again if received and previous is _exit_preempted else previous
+
+
 def exit_on_early_sigterm() -> None:
   """Makes SIGTERM exit the process at once with status 75 and a one-line message.
 

@@ -184,8 +184,10 @@ def _cases(tmp_path, existing, hf=None):
                              "--rm_lr applies to --preference_data runs only"),
       "critic_lr_without_critic": ("train_rlhf.py", ["--algo=grpo", "--critic_lr=1e-5", e],
                                    "--critic_lr applies to --algo=ppo only (grpo has no critic)"),
-      "existing_run_without_resume": ("train_rlhf.py", [e, "--noresume"],
-                                      "already holds an RLHF run; pass --resume"),
+      "existing_run_without_resume": (
+          "train_rlhf.py", [e, "--noresume"],
+          "already holds an RLHF run (RL checkpoints up to step 3); run the command without "
+          "--noresume to continue it"),
       "checkpoint_every": ("train_rlhf.py", ["--checkpoint_every=0"],
                            "--checkpoint_every must be >= 1, got 0"),
       # --model (a Hugging Face folder): checked before the logdir's checkpoints are looked at.

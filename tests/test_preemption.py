@@ -28,3 +28,25 @@ def test_sigterm_during_imports_exits_75(script, tmp_path):
   assert proc.returncode == preemption.EXIT_PREEMPTED == 75, stderr[-3000:]
   assert stderr.strip().splitlines()[-1] == preemption.EARLY_SIGTERM_MESSAGE, stderr[-3000:]
   assert not os.path.exists(logdir)
+
+
+def test_a_second_sigterm_after_the_trainers_flag_took_one_says_so():
+  """The scripts' early handler is put back when a trainer's flag exits, except after the flag
+  took a SIGTERM: then another SIGTERM (while the run exits, its state saved) gets its own
+  handler, whose message does not claim that there was nothing to save."""
+  from rljax import checkpoint as ckpt
+
+  before = signal.signal(signal.SIGTERM, preemption._exit_preempted)  # the scripts' first line
+  try:
+    with ckpt.SigtermFlag():
+      pass
+    assert signal.getsignal(signal.SIGTERM) is preemption._exit_preempted
+    with ckpt.SigtermFlag() as flag:
+      os.kill(os.getpid(), signal.SIGTERM)
+    assert flag.received and signal.getsignal(signal.SIGTERM) is preemption._exit_again
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    with ckpt.SigtermFlag() as flag:  # a handler other than the early one is restored as it was
+      os.kill(os.getpid(), signal.SIGTERM)
+    assert flag.received and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+  finally:
+    signal.signal(signal.SIGTERM, before)

@@ -179,9 +179,12 @@ def test_preference_sigkill_then_resume_is_bitwise_exact(setup, tmp_path):
   with torch.no_grad():
     logits = hf(torch.tensor([hf_tok("Tell me about tea.").input_ids])).logits
   assert torch.isfinite(logits).all()
-  # Stage times: pre-training is timed on its own (from the frozen save's metadata when
-  # resumed), as in the embedded pipeline's summary.
-  assert all(s["pretrain_s"] > 0 and s["sft_s"] > 0 for s in summaries)
+  # Stage times, each run's own (as in the embedded pipeline's summary): the uninterrupted run
+  # times each stage; the resumed one loaded frozen/ (its pretrain_s) and trained no stage.
+  assert summaries[1]["pretrain_s"] > 0 and summaries[1]["sft_s"] > 0 and summaries[1]["rm_s"] > 0
+  assert summaries[0]["pretrain_s"] > 0 and summaries[0]["sft_s"] == summaries[0]["rm_s"] == 0
+  for s in summaries:
+    assert s["pretrain_s"] + s["sft_s"] + s["rm_s"] + s["rl_s"] <= s["wall_s"] + 0.01, s
   # The same command on the finished run trains nothing and keeps its Hugging Face folder.
   weights = os.path.join(ref, "hf_model", "model.safetensors")
   before = os.stat(weights)

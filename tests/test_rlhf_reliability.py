@@ -4,6 +4,7 @@ determinism (rljax/alignment/checkpointing.py, experiments/train_rlhf.py)."""
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -249,7 +250,9 @@ def test_sigterm_in_sft_saves_it_resumes_it_and_after_sft_checkpoints_rl_step_0(
 
   assert stage_steps()[-1] == ("sft", 1)  # the interrupted start's records
   # A --noresume start is refused: the saved stages are the run's state.
-  with pytest.raises(ValueError, match="already holds an RLHF run; pass --resume"):
+  with pytest.raises(ValueError, match=re.escape(
+      "already holds an RLHF run (stages before RL: pretrain ended at step 3, sft stopped after "
+      "step 1); run the command without --noresume to continue it (resuming is the default)")):
     pipeline.run_embedded(config, logdir=logdir, log=lambda *_: None, resume=False)
 
   train_sft = sft.train_sft

@@ -344,6 +344,22 @@ def run_stage(logdir: str | None, stage: str, train: Callable, model: nnx.Module
 # ---- resume checks and the host loop ------------------------------------------------------------
 
 
+def saved_state(logdir: str) -> str | None:
+  """What RLHF state ``logdir`` holds, in words (e.g. ``"RL checkpoints up to step 4"``,
+  ``"stages before RL: pretrain ended at step 40, sft stopped after step 19"``), or None."""
+  newest = ckpt.newest_step(logdir)
+  if newest is not None:
+    return f"RL checkpoints up to step {newest}"
+  if has_frozen(logdir):
+    return f"the models of the stages before RL, in {frozen_dir(logdir)}"
+  stages = saved_stages(logdir)
+  if not stages:
+    return None
+  return "stages before RL: " + ", ".join(
+      f"{name} {'ended at' if m['done'] else 'stopped after'} step {m['step']}"
+      for name, m in stages.items())
+
+
 def check_logdir(logdir: str, section: str, config_json: dict[str, Any], *, resume: bool,
                  defaults: dict[str, Any] | None = None) -> None:
   """`prepare`'s checks alone, writing nothing (the scripts run them before ``run_info.json``
@@ -354,12 +370,12 @@ def check_logdir(logdir: str, section: str, config_json: dict[str, Any], *, resu
       checkpoints) and ``resume`` is False, or its saved config differs from ``config_json``
       (see `prepare`).
   """
-  exists = (bool(saved_stages(logdir)) or has_frozen(logdir)
-            or ckpt.newest_step(logdir) is not None)
-  if exists and not resume:
-    raise ValueError(f"--logdir {logdir!r} already holds an RLHF run; pass --resume to continue "
-                     f"it or use a new --logdir (its checkpoints are left untouched).")
-  if resume and exists:
+  state = saved_state(logdir)
+  if state is not None and not resume:
+    raise ValueError(f"--logdir {logdir!r} already holds an RLHF run ({state}); run the command "
+                     f"without --noresume to continue it (resuming is the default), or use a "
+                     f"new --logdir (its checkpoints are left untouched).")
+  if resume and state is not None:
     ckpt.check_same_config(logdir, section, config_json, defaults)
 
 

@@ -942,6 +942,8 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
       rm_model = nnx.merge(gd, jax.tree.map(jnp.copy, st))
     meta = checkpointing.load_frozen(logdir, {"reference": model, "reward": rm_model})
     log(f"loaded the SFT and reward models from {checkpointing.frozen_dir(logdir)}")
+    # This process's times (as run_embedded's): the load, instead of the saved run's stages.
+    meta = dict(meta, pretrain_s=time.perf_counter() - t0, sft_s=0.0, rm_s=0.0)
     return _preference_rl(config, tok, prompts, model, rm_model, meta, logdir=logdir,
                           tokenizer_dir=_tokenizer_dir(config, logdir), writer=writer, log=log,
                           placement=placement, t0=t0,
