@@ -382,9 +382,10 @@ def check_logdir(logdir: str, section: str, config_json: dict[str, Any], *, resu
 def _keep_stage_records(path: str, stages: dict[str, dict[str, Any]]) -> None:
   """Drops the records of ``metrics.jsonl`` at ``path`` that no saved stage covers: those of
   other stages (RL included) and those after a saved stage's step."""
-  ckpt.truncate_jsonl(path, -1, lambda r: r.get("stage") not in stages)
-  for stage, marker in stages.items():
-    ckpt.truncate_jsonl(path, int(marker["step"]), lambda r, s=stage: r.get("stage") == s)
+  def covered(r):
+    return r.get("stage") in stages and r["step"] <= stages[r["stage"]]["step"]
+
+  ckpt.truncate_jsonl(path, -1, lambda r: not covered(r))  # steps count from 0 or 1
 
 
 def prepare(logdir: str, section: str, config_json: dict[str, Any], *, resume: bool,
