@@ -139,6 +139,34 @@ def has_frozen(logdir: str) -> bool:
   return os.path.exists(os.path.join(frozen_dir(logdir), FROZEN_META))
 
 
+def _write_item(path: str, item: dict[str, Any], barrier: str) -> None:
+  """Writes the flat item ``item`` (:func:`rljax.checkpoint.to_saveable`) to the orbax folder
+  ``path`` (temporary folder, then renamed), replacing an incomplete earlier attempt there.
+  Every process calls it; arrays held by one process only are saved as replicated global
+  arrays (:func:`rljax.checkpoint.globalize`)."""
+  if runtime.is_primary() and os.path.exists(path):  # an incomplete earlier attempt: redo it
+    shutil.rmtree(path)
+  runtime.sync_processes(f"{barrier}-clear")
+  with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as c:  # synchronous (see make_manager)
+    c.save(path, args=ocp.args.StandardSave(ckpt.globalize(item)))
+
+
+def _read_item(path: str, local: dict[str, Any], what: str) -> dict[str, Any]:
+  """The item `_write_item` wrote to ``path``, restored onto ``local``'s shapes and shardings.
+
+  Raises:
+    ValueError: it does not fit ``local`` (names or shapes differ) or cannot be read; the
+      message names ``what`` and ``path``.
+  """
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, ckpt.globalize(local))
+  try:
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as c:
+      return ckpt.localize(c.restore(path, args=ocp.args.StandardRestore(abstract)), local)
+  except Exception as e:  # orbax raises many types for unreadable or mismatched data
+    raise ValueError(f"{what} in {path} cannot be loaded into this run's models "
+                     f"({type(e).__name__}: {str(e)[:300]})") from None
+
+
 def save_frozen(logdir: str, models: dict[str, nnx.Module], meta: dict[str, Any]) -> None:
   """Saves the full state of each model in ``models`` (e.g. ``{"reference": m}``) once.
 
@@ -148,13 +176,9 @@ def save_frozen(logdir: str, models: dict[str, nnx.Module], meta: dict[str, Any]
   arrays (:func:`rljax.checkpoint.globalize`), and process 0 writes ``meta``.
   """
   path = frozen_dir(logdir)
-  item = ckpt.globalize(ckpt.to_saveable({name: nnx.state(m) for name, m in models.items()}))
-  roles = os.path.join(path, "roles")
-  if runtime.is_primary() and os.path.exists(roles):  # an incomplete earlier attempt: redo it
-    shutil.rmtree(roles)
-  runtime.sync_processes("rljax-frozen-clear")
-  with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as c:  # synchronous (see make_manager)
-    c.save(roles, args=ocp.args.StandardSave(item))
+  _write_item(os.path.join(path, "roles"),
+              ckpt.to_saveable({name: nnx.state(m) for name, m in models.items()}),
+              "rljax-frozen")
   if runtime.is_primary():
     ckpt.write_json_atomic(os.path.join(path, FROZEN_META), meta)
   runtime.sync_processes("rljax-frozen-saved")
@@ -173,15 +197,9 @@ def load_frozen(logdir: str, models: dict[str, nnx.Module]) -> dict[str, Any]:
   path = frozen_dir(logdir)
   if not has_frozen(logdir):
     raise FileNotFoundError(f"no frozen roles under {path}")
-  template = ckpt.to_saveable({name: nnx.state(m) for name, m in models.items()})
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, ckpt.globalize(template))
-  try:
-    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as c:
-      saved = ckpt.localize(c.restore(os.path.join(path, "roles"),
-                                      args=ocp.args.StandardRestore(abstract)), template)
-  except Exception as e:  # orbax raises many types for unreadable or mismatched data
-    raise ValueError(f"the frozen roles in {path} cannot be loaded into this run's models "
-                     f"({type(e).__name__}: {str(e)[:300]})") from None
+  saved = _read_item(os.path.join(path, "roles"),
+                     ckpt.to_saveable({name: nnx.state(m) for name, m in models.items()}),
+                     "the frozen roles")
   for name, m in models.items():
     nnx.update(m, ckpt.from_saveable({name: nnx.state(m)}, saved)[name])
   with open(os.path.join(path, FROZEN_META), encoding="utf-8") as f:
@@ -239,11 +257,7 @@ def save_stage(logdir: str, stage: str, state, *, done: bool,
   marker = saved_stages(logdir).get(stage)
   if marker is not None and marker["folder"] == folder:  # saved already: the same state (one
     return path                                           # more SIGTERM before its next step)
-  if runtime.is_primary() and os.path.exists(path):  # an incomplete earlier attempt: redo it
-    shutil.rmtree(path)
-  runtime.sync_processes(f"rljax-stage-{stage}-clear")
-  with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as c:  # synchronous (see make_manager)
-    c.save(path, args=ocp.args.StandardSave(ckpt.globalize(_stage_item(state, done))))
+  _write_item(path, _stage_item(state, done), f"rljax-stage-{stage}")
   if runtime.is_primary():
     ckpt.write_json_atomic(os.path.join(d, f"{stage}.json"), dict(
         step=int(state.step), done=done, folder=folder,
@@ -274,15 +288,8 @@ def load_stage(logdir: str, stage: str, template):
   marker = saved_stages(logdir).get(stage)
   if marker is None:
     return None
-  path = os.path.join(stages_dir(logdir), marker["folder"])
-  local = _stage_item(template, marker["done"])
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, ckpt.globalize(local))
-  try:
-    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as c:
-      saved = ckpt.localize(c.restore(path, args=ocp.args.StandardRestore(abstract)), local)
-  except Exception as e:  # orbax raises many types for unreadable or mismatched data
-    raise ValueError(f"the {stage} state in {path} cannot be loaded into this run's model "
-                     f"({type(e).__name__}: {str(e)[:300]})") from None
+  saved = _read_item(os.path.join(stages_dir(logdir), marker["folder"]),
+                     _stage_item(template, marker["done"]), f"the {stage} state")
   tree = ckpt.from_saveable({"params": template.params, "opt_state": template.opt_state}, saved)
   state = template._replace(params=tree["params"], opt_state=tree["opt_state"],
                             step=int(marker["step"]),
