@@ -33,8 +33,9 @@ Stages before RL (:func:`run_stage`). On a SIGTERM, pre-training, SFT and reward
 training stop before their next step and save their train state (parameters, optimizer state,
 step, data position, the sums behind the next metrics record) under ``<logdir>/stages``; a
 stage that ends saves its parameters there too. The rerun skips the stages that ended and
-continues the interrupted one from its step, with the same batches and records. Each save is an orbax folder (atomic) that the stage's small JSON
-marker, written after it, points to; the previous folder is removed only then.
+continues the interrupted one from its step, with the same batches and records. Each save is
+an orbax folder (atomic) that the stage's small JSON marker, written after it, points to; the
+previous folder is removed only then.
 
 On SIGTERM (:class:`rljax.checkpoint.SigtermFlag`) the current step finishes, a checkpoint is
 written and :class:`Preempted` is raised; the scripts then exit with
@@ -270,12 +271,13 @@ def save_stage(logdir: str, stage: str, state, *, done: bool,
   return path
 
 
-def load_stage(logdir: str, stage: str, template):
+def load_stage(logdir: str, stage: str, template: Callable[[], Any]):
   """The state saved for ``stage`` under ``logdir``, or None.
 
   Args:
-    template: the stage's fresh state (``sft.fresh_state`` / ``reward_model.fresh_state``),
-      which gives the tree structure.
+    template: ``() ->`` the stage's fresh state (``sft.fresh_state`` /
+      ``reward_model.fresh_state``), which gives the tree structure; called only when a state
+      is saved.
 
   Returns:
     ``(state, marker)``: ``state`` is ``template`` with the saved parameters, step, data
@@ -288,6 +290,7 @@ def load_stage(logdir: str, stage: str, template):
   marker = saved_stages(logdir).get(stage)
   if marker is None:
     return None
+  template = template()
   saved = _read_item(os.path.join(stages_dir(logdir), marker["folder"]),
                      _stage_item(template, marker["done"]), f"the {stage} state")
   tree = ckpt.from_saveable({"params": template.params, "opt_state": template.opt_state}, saved)
@@ -329,7 +332,7 @@ def run_stage(logdir: str | None, stage: str, train: Callable, model: nnx.Module
     model, _, history = train(model, None)
     return model, history[-1], True
   state = None
-  saved = load_stage(logdir, stage, template()) if stage in saved_stages(logdir) else None
+  saved = load_stage(logdir, stage, template)
   if saved is not None:
     state, marker = saved
     where = os.path.join(stages_dir(logdir), marker["folder"])
@@ -400,8 +403,8 @@ def prepare(logdir: str, section: str, config_json: dict[str, Any], *, resume: b
   """Checks ``logdir`` before anything is built or compiled; returns whether to resume.
 
   With ``resume``, a run whose saved config differs is refused when the ``logdir`` holds its
-  state (a stage's saved state, frozen roles or RL checkpoints); a field the saved config lacks (added after the run
-  started) counts as its entry in ``defaults`` (flat dotted keys,
+  state (a stage's saved state, frozen roles or RL checkpoints); a field the saved config
+  lacks (added after the run started) counts as its entry in ``defaults`` (flat dotted keys,
   :func:`rljax.checkpoint.dataclass_defaults` of the config class). A config saved by a run
   that stopped before saving any state (e.g. on bad input) does not bind the next one. Without
   ``resume``, a ``logdir`` that already holds RLHF state is refused (its checkpoints are left

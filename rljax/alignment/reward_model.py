@@ -228,16 +228,13 @@ def train_reward_model(
   """
   if not train_pairs:
     raise ValueError("train_reward_model: empty dataset")
-  graphdef, params = nnx.split(model, nnx.Param)
+  graphdef, _ = nnx.split(model, nnx.Param)
   optimizer = optimizer_for(config)
   step_fn = make_rm_step(graphdef, optimizer, config.margin)
   lengths = np.asarray([_length(x) for x in train_pairs])
   if lengths.max() > config.length_buckets[-1]:
     raise ValueError(f"a pair has {lengths.max()} tokens > largest bucket {config.length_buckets[-1]}")
-  if state is None:
-    state = RewardModelState(params, optimizer.init(params), 0,
-                             text_data.init_data_position(config.seed))
-  params, opt_state, start, pos, window = state
+  params, opt_state, start, pos, window = state or fresh_state(model, config)
   if layout is not None:  # rljax.alignment.layout.TrainLayout; checked before compiling
     layout.check_batch(2 * config.batch_size, what="2 * batch_size (chosen + rejected rows)")
     params, opt_state = layout.shard(params), layout.shard(opt_state)
