@@ -25,8 +25,8 @@ Everything lives in rljax.alignment.pipeline; this script parses flags. User err
 status 2 and one line (--verbose for a traceback).
 
 Checkpoints (rljax.alignment.checkpointing): every --checkpoint_every RL steps, and the stages
-before RL when they end or on a SIGTERM (<logdir>/stages); running the same command with the same
---logdir resumes exactly. Exit status: 0 done; 2 bad input; 3 halted on a
+before RL every --stage_checkpoint_every of their steps, when they end and on a SIGTERM
+(<logdir>/stages); running the same command with the same --logdir resumes exactly. Exit status: 0 done; 2 bad input; 3 halted on a
 non-finite reward, loss or gradient (--nonfinite=halt; the last good state is checkpointed); 75
 (EXIT_PREEMPTED) stopped by SIGTERM after writing a checkpoint (or, from the first line until the
 trainer's handler is installed, with nothing new to save): run the same command again.
@@ -97,6 +97,10 @@ _RESUME = flags.DEFINE_bool(
     "step, or a stage before RL).")
 _CKPT_EVERY = flags.DEFINE_integer("checkpoint_every", 10, "RL steps between checkpoints.")
 _KEEP = flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept (the newest).")
+_STAGE_CKPT_EVERY = flags.DEFINE_integer(
+    "stage_checkpoint_every", 100, "Steps of pre-training, SFT and reward-model training "
+    "between saves of their state under <logdir>/stages, which a rerun after a SIGKILL or a lost "
+    "node continues from (0: only on SIGTERM and at each stage's end).")
 _CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", None,
                                  "Cache directory (default ~/.cache/rljax).")
 # Stage sizes (tests and quick runs use small ones).
@@ -143,6 +147,7 @@ def check_algo(name: str) -> str:
 def check_checkpoint_flags() -> None:
   for flag in (_CKPT_EVERY, _KEEP):
     alignment_flags.checked(flag, at_least=1)
+  alignment_flags.checked(_STAGE_CKPT_EVERY, at_least=0)
 
 
 def stage_overrides(preference_data: str | None) -> dict:
@@ -244,7 +249,8 @@ def main(argv):
     from rljax.alignment import checkpointing
 
     ckpt_kw = dict(checkpoint_every=_CKPT_EVERY.value, keep_checkpoints=_KEEP.value,
-                   resume=_RESUME.value, placement=placement)
+                   stage_checkpoint_every=_STAGE_CKPT_EVERY.value, resume=_RESUME.value,
+                   placement=placement)
     with ckpt.SigtermFlag() as sigterm:
       try:
         return report(pipeline, config, logdir, sigterm=sigterm, **ckpt_kw)

@@ -482,7 +482,8 @@ def check_same_config(logdir: str, section: str, now: dict[str, Any],
   with; without a default it reads as ``None``.
 
   Raises:
-    ValueError: naming every differing field with its saved and current value.
+    ValueError: naming every differing field with its saved and current value (fields of
+      the same name that differ alike, e.g. ``seed`` and ``rl.seed``, named together).
   """
   try:
     saved = read_config(logdir).get(section)
@@ -498,9 +499,14 @@ def check_same_config(logdir: str, section: str, now: dict[str, Any],
   keys = sorted(set(saved) | set(now))
   diff = {k: (saved.get(k), now.get(k)) for k in keys if saved.get(k) != now.get(k)}
   if diff:
+    # Fields one flag sets together (``seed`` and ``rl.seed``) differ alike: named together.
+    groups: dict[tuple, list[str]] = {}
+    for k, (a, b) in diff.items():
+      groups.setdefault((k.rsplit(".", 1)[-1], repr(a), repr(b), k in implied), []).append(k)
     shown = ", ".join(
-        f"{k}: {'not saved, so the default ' if k in implied else 'saved '}{a!r}, now {b!r}"
-        for k, (a, b) in diff.items())
+        f"{' and '.join(sorted(names, key=lambda n: (n.count('.'), n)))}: "
+        f"{'not saved, so the default ' if implied_ else 'saved '}{a}, now {b}"
+        for (_, a, b, implied_), names in groups.items())
     raise ValueError(
         f"{logdir!r} holds a run with a different config ({shown}); use a new --logdir "
         f"or the same settings to resume."

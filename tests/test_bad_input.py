@@ -190,6 +190,8 @@ def _cases(tmp_path, existing, hf=None):
           "--noresume to continue it"),
       "checkpoint_every": ("train_rlhf.py", ["--checkpoint_every=0"],
                            "--checkpoint_every must be >= 1, got 0"),
+      "stage_checkpoint_every": ("train_rlhf.py", ["--stage_checkpoint_every=-1"],
+                                 "--stage_checkpoint_every must be >= 0, got -1"),
       # --model (a Hugging Face folder): checked before the logdir's checkpoints are looked at.
       "model_unsupported_type": (
           "train_rlhf.py", [f"--preference_data={good}", m.get("gpt2"), e],
@@ -247,7 +249,7 @@ CASES = ["unknown_algo", "logdir_not_writable", "malformed_json", "invalid_utf8"
          "max_prompt_len_without_data",
          "critic_lr_without_critic",
          "existing_run_without_resume",
-         "checkpoint_every", "model_unsupported_type", "model_tensor_shape_mismatch",
+         "checkpoint_every", "stage_checkpoint_every", "model_unsupported_type", "model_tensor_shape_mismatch",
          "model_missing_folder", "model_missing_config", "model_with_tokenizer",
          "reward_model_without_model", "reward_model_without_data", "reward_model_with_rm_steps",
          "reward_model_not_a_reward_model",
@@ -594,3 +596,18 @@ def test_split_that_leaves_no_training_pair_names_what_would():
     pipeline.split_preference_pairs(["a"], config)
   train, held = pipeline.split_preference_pairs(list("abcdefghijk"), config)
   assert (len(train), len(held)) == (10, 1) and sorted(train + held) == list("abcdefghijk")
+
+
+def test_config_mismatch_names_fields_one_flag_sets_together(tmp_path):
+  """``--seed`` sets ``seed`` and ``rl.seed``: a resume with another seed names them once,
+  together; fields that differ otherwise stay apart."""
+  from rljax import checkpoint as ckpt
+
+  (tmp_path / "checkpoints").mkdir()
+  (tmp_path / "checkpoints" / "config.json").write_text(json.dumps(
+      {"s": {"seed": 0, "rl": {"seed": 0, "lr": 1.0, "ppo": {"lr": 2.0}}}}))
+  with pytest.raises(ValueError) as err:
+    ckpt.check_same_config(str(tmp_path), "s", {"seed": 1, "rl": {"seed": 1, "lr": 3.0,
+                                                                  "ppo": {"lr": 3.0}}})
+  assert ("different config (rl.lr: saved 1.0, now 3.0, rl.ppo.lr: saved 2.0, now 3.0, "
+          "seed and rl.seed: saved 0, now 1)") in str(err.value)

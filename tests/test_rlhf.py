@@ -1,6 +1,7 @@
 """RLHF trainer (rljax/alignment/rlhf.py) on a tiny LM and the addition task: values, not smoke."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -268,18 +269,19 @@ def test_stage_interrupted_then_resumed_from_its_saved_state_equals_an_uninterru
     config = sft.SFTConfig(num_steps=6, batch_size=2, log_every=4, warmup_steps=2)
     fresh = sft.fresh_state
 
-    def train(m, state, should_stop=None):
+    def train(m, state, checkpoint=None, should_stop=None):
       out = sft.train_sft(m, examples, config, pad_id=TOK.PAD, state=state,
-                          should_stop=should_stop)
+                          should_stop=should_stop, checkpoint=checkpoint)
       histories.append(out[2])
       return out
   else:
     config = rm_lib.RewardModelConfig(num_steps=6, batch_size=2, log_every=4, warmup_steps=2)
     fresh = rm_lib.fresh_state
 
-    def train(m, state, should_stop=None):
+    def train(m, state, checkpoint=None, should_stop=None):
       out = rm_lib.train_reward_model(m, pairs, config, pad_id=TOK.PAD, eval_pairs=pairs[:4],
-                                      state=state, should_stop=should_stop)
+                                      state=state, should_stop=should_stop,
+                                      checkpoint=checkpoint)
       histories.append(out[2])
       return out
 
@@ -301,7 +303,7 @@ def test_stage_interrupted_then_resumed_from_its_saved_state_equals_an_uninterru
 
   m = model()
   with pytest.raises(sft.Interrupted) as e:
-    checkpointing.run_stage(logdir, stage, lambda m, s: train(m, s, stop_after_3), m,
+    checkpointing.run_stage(logdir, stage, lambda m, s, c: train(m, s, c, stop_after_3), m,
                             lambda: fresh(m, config))
   saved_in = os.path.join(logdir, "stages", f"{stage}-3")
   assert e.value.step == 3 and e.value.saved_in == saved_in
@@ -321,7 +323,7 @@ def test_stage_interrupted_then_resumed_from_its_saved_state_equals_an_uninterru
   assert sorted(os.listdir(os.path.join(logdir, "stages"))) == [f"{stage}-6-done",
                                                                  f"{stage}.json"]
 
-  def must_not_train(m, state):
+  def must_not_train(m, state, checkpoint):
     raise AssertionError("the ended stage was trained again")
 
   m = model()
@@ -332,3 +334,84 @@ def test_stage_interrupted_then_resumed_from_its_saved_state_equals_an_uninterru
                        f"{os.path.join(logdir, 'stages', f'{stage}-6-done')}")
   for a, b in zip(params(m), params(ref), strict=True):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("stage", ["sft", "rm"])
+def test_stage_saved_every_n_steps_resumes_after_a_crash_as_if_uninterrupted(stage, tmp_path):
+  """`checkpointing.run_stage(save_every=2)`: the stage's state is saved before steps 3 and 5
+  (after steps 2 and 4); a crash in step 5 (no SIGTERM, so nothing saved then: a SIGKILL)
+  leaves the step-4 save alone under ``<logdir>/stages``, and the rerun continues from it
+  with the uninterrupted run's parameters, bit for bit, and its last record."""
+  import os
+
+  from rljax.alignment import checkpointing, sft
+  from rljax.alignment import reward_model as rm_lib
+
+  prompts = [TOK.encode(f"{a}+{b}=") for a in range(4) for b in range(3)]
+  examples = [(p, TOK.encode(str(i % 10), add_special_tokens=False) + [TOK.EOS])
+              for i, p in enumerate(prompts)]
+  pairs = [(p, r, TOK.encode("99", add_special_tokens=False) + [TOK.EOS]) for p, r in examples]
+  if stage == "sft":
+    config = sft.SFTConfig(num_steps=6, batch_size=2, log_every=4, warmup_steps=2)
+    fresh, run = sft.fresh_state, functools.partial(sft.train_sft, examples=examples)
+  else:
+    config = rm_lib.RewardModelConfig(num_steps=6, batch_size=2, log_every=4, warmup_steps=2)
+    fresh = rm_lib.fresh_state
+    run = functools.partial(rm_lib.train_reward_model, train_pairs=pairs, eval_pairs=pairs[:4])
+  saves = []  # the step of each state the checkpoint hook was called with
+
+  def train(m, state, checkpoint, crash_at=None):
+    def saving(s):
+      saves.append(s.step)
+      checkpoint(s)
+
+    def crash():  # asked after the hook, before step saves[-1] + 1
+      if crash_at is not None and saves[-1] + 1 == crash_at:
+        raise RuntimeError("killed")
+      return False
+
+    return run(m, config=config, pad_id=TOK.PAD, state=state, should_stop=crash,
+               checkpoint=saving)
+
+  def model():
+    return DecoderLM(pipeline.tiny_lm_config(TOK.vocab_size, hidden_size=16, num_layers=1),
+                     rngs=nnx.Rngs(0))
+
+  ref, _, ref_history = run(model(), config=config, pad_id=TOK.PAD)
+  logdir = str(tmp_path)
+  m = model()
+  with pytest.raises(RuntimeError, match="killed"):
+    checkpointing.run_stage(logdir, stage, lambda m, s, c: train(m, s, c, crash_at=5), m,
+                            lambda: fresh(m, config), save_every=2)
+  assert saves == [0, 1, 2, 3, 4]
+  stages = os.path.join(logdir, "stages")
+  assert sorted(os.listdir(stages)) == [f"{stage}-4", f"{stage}.json"]
+  marker = checkpointing.saved_stages(logdir)[stage]
+  assert (marker["step"], marker["done"], marker["window"]["n"]) == (4, False, 0)
+
+  lines, saves[:] = [], []
+  m = model()
+  m, record, ran = checkpointing.run_stage(logdir, stage, train, m, lambda: fresh(m, config),
+                                           save_every=2, log=lines.append)
+  assert ran and lines == [f"{stage}: resuming after step 4 from {stages}/{stage}-4"]
+  assert saves == [4, 5]  # step 4's state is saved already: not written again
+  for a, b in zip(jax.tree.leaves(nnx.state(m, nnx.Param)),
+                  jax.tree.leaves(nnx.state(ref, nnx.Param)), strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert _no_wall([record]) == _no_wall(ref_history[-1:])
+  assert sorted(os.listdir(stages)) == [f"{stage}-6-done", f"{stage}.json"]
+  with pytest.raises(ValueError, match="stage_checkpoint_every must be >= 0.*got -1"):
+    checkpointing.run_stage(logdir, stage, train, m, lambda: fresh(m, config), save_every=-1)
+
+
+def test_stage_record_line():
+  """`sft.record_line`: a stage's logged record as the console line the pipeline prints."""
+  from rljax.alignment import sft
+
+  rec = {"rm/loss": 0.69314, "rm/train_accuracy": 0.5, "rm/grad_norm": 3.0, "rm/wall_s": 12.34,
+         "rm/eval_accuracy": 0.625}
+  assert sft.record_line("rm/", 50, 150, rec) == (
+      "rm step 50/150: loss 0.693, train_accuracy 0.500, eval_accuracy 0.625 (12.3 s)")
+  rec = {"pretrain/loss": 2.0, "pretrain/padding_fraction": 0.125, "pretrain/wall_s": 1.0}
+  assert sft.record_line("pretrain/", 1, 800, rec) == (
+      "pretrain step 1/800: loss 2.000, padding_fraction 0.125 (1.0 s)")

@@ -233,8 +233,21 @@ def test_sigterm_in_sft_saves_it_resumes_it_and_after_sft_checkpoints_rl_step_0(
     check_stop(should_stop, prefix, step, num_steps)
 
   monkeypatch.setattr(sft, "check_stop", sigterm_at_sft_step_1)
+  save_stage, saves = checkpointing.save_stage, []
+
+  def recorded_save(logdir, stage, state, *, done, **kw):
+    saves.append((stage, state.step, done))
+    return save_stage(logdir, stage, state, done=done, **kw)
+
+  monkeypatch.setattr(checkpointing, "save_stage", recorded_save)
+  lines = []
   with ckpt.SigtermFlag() as flag, pytest.raises(checkpointing.StageInterrupted) as e:
-    pipeline.run_embedded(config, logdir=logdir, log=lambda *_: None, sigterm=flag)
+    pipeline.run_embedded(config, logdir=logdir, log=lines.append, sigterm=flag,
+                          stage_checkpoint_every=2)
+  # Saved every 2 steps, at the stage's end and on the SIGTERM; each logged record printed.
+  assert saves == [("pretrain", 2, False), ("pretrain", 3, True), ("sft", 1, False)], saves
+  assert [l.split(":")[0] for l in lines if " step " in l] == [
+      "pretrain step 1/3", "pretrain step 2/3", "pretrain step 3/3", "sft step 1/2"], lines
   stages = os.path.join(os.path.abspath(logdir), "stages")
   assert str(e.value) == (f"preempted by SIGTERM during sft (after step 1 of 2), before RL: its "
                           f"state is saved in {stages}/sft-1, and the same command resumes it")

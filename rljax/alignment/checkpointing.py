@@ -309,27 +309,37 @@ def drop_stages(logdir: str) -> None:
 
 
 def run_stage(logdir: str | None, stage: str, train: Callable, model: nnx.Module,
-              template: Callable[[], Any], *, log: Callable[[str], None] = print
-              ) -> tuple[nnx.Module, dict[str, Any], bool]:
+              template: Callable[[], Any], *, save_every: int = 0,
+              log: Callable[[str], None] = print) -> tuple[nnx.Module, dict[str, Any], bool]:
   """Runs a stage before RL with its state saved under ``<logdir>/stages`` (no saving when
   ``logdir`` is None).
 
   A stage saved as ended is not run: its parameters go into ``model``. A stage saved part-way
-  continues from its saved step. An `sft.Interrupted` (SIGTERM) is re-raised after its state
-  is saved (its ``saved_in`` names the folder).
+  continues from its saved step. Its state is saved every ``save_every`` steps (0: never; the
+  last saved state is what a SIGKILL or a lost node resumes from), at its end, and on an
+  `sft.Interrupted` (SIGTERM), which is re-raised after the save (its ``saved_in`` names the
+  folder).
 
   Args:
     stage: ``"pretrain"``, ``"sft"`` or ``"rm"``.
-    train: ``(model, state or None) -> (model, state, history)``, e.g. ``sft.train_sft``
-      with its other arguments bound.
+    train: ``(model, state or None, checkpoint) -> (model, state, history)``, e.g.
+      ``sft.train_sft`` with its other arguments bound; ``checkpoint`` is its argument of
+      that name (called with the state before each step) or None.
     template: ``() -> fresh state`` of the stage (the structure a saved one is restored into).
+    save_every: steps between saves of the stage's state (>= 0).
 
   Returns:
     ``(model, record, ran)``: the trained model, the stage's last logged record (the saved
     one when the stage had ended) and whether the stage ran in this call.
+
+  Raises:
+    ValueError: ``save_every`` < 0, or a saved state that does not fit ``template``.
   """
+  if save_every < 0:
+    raise ValueError(f"stage_checkpoint_every must be >= 0 (0: only on SIGTERM and at a "
+                     f"stage's end), got {save_every}")
   if logdir is None:
-    model, _, history = train(model, None)
+    model, _, history = train(model, None, None)
     return model, history[-1], True
   state = None
   saved = load_stage(logdir, stage, template)
@@ -341,8 +351,13 @@ def run_stage(logdir: str | None, stage: str, train: Callable, model: nnx.Module
       log(f"{stage}: loaded the finished stage ({state.step} steps) from {where}")
       return model, marker["record"], False
     log(f"{stage}: resuming after step {state.step} from {where}")
+
+  def checkpoint(s) -> None:  # before step s.step + 1; save_stage skips a step saved already
+    if s.step and s.step % save_every == 0:
+      save_stage(logdir, stage, s, done=False)
+
   try:
-    model, state, history = train(model, state)
+    model, state, history = train(model, state, checkpoint if save_every else None)
   except sft.Interrupted as e:
     if e.state is not None:
       e.saved_in = save_stage(logdir, stage, e.state, done=False)

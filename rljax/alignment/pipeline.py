@@ -440,18 +440,22 @@ def _stop_on(sigterm):
 
 
 def _sft_stage(logdir: str | None, stage: str, model, examples, config: sft.SFTConfig, *,
-               pad_id: int, writer, layout, sigterm, log) -> tuple[Any, dict[str, Any]]:
+               pad_id: int, writer, layout, sigterm, log, save_every: int
+               ) -> tuple[Any, dict[str, Any]]:
   """`sft.train_sft` as stage ``stage`` (``"pretrain"`` or ``"sft"``) through
-  `checkpointing.run_stage`: saved under ``<logdir>/stages`` (None: not saved), resumed from
-  there. Returns the model and the stage's last record."""
+  `checkpointing.run_stage`: saved under ``<logdir>/stages`` (None: not saved) every
+  ``save_every`` steps, resumed from there; each logged record goes to ``log`` as a line.
+  Returns the model and the stage's last record."""
   from rljax.alignment import checkpointing
 
-  def train(m, state):
+  def train(m, state, checkpoint):
     return sft.train_sft(m, examples, config, pad_id=pad_id, writer=writer, state=state,
-                         prefix=f"{stage}/", layout=layout, should_stop=_stop_on(sigterm))
+                         prefix=f"{stage}/", layout=layout, should_stop=_stop_on(sigterm),
+                         checkpoint=checkpoint, log=log)
 
   model, record, _ = checkpointing.run_stage(
-      logdir, stage, train, model, lambda: sft.fresh_state(model, config), log=log)
+      logdir, stage, train, model, lambda: sft.fresh_state(model, config),
+      save_every=save_every, log=log)
   return model, record
 
 
@@ -488,7 +492,8 @@ def check_logdir(config: EmbeddedConfig | PreferenceConfig, logdir: str, *,
 def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress: bool = False,
                  log=print, stop_after: str = "rl", checkpoint_every: int = 10,
                  keep_checkpoints: int = 3, resume: bool = True,
-                 sigterm=None, placement=None) -> dict[str, Any]:
+                 sigterm=None, placement=None, stage_checkpoint_every: int = 0
+                 ) -> dict[str, Any]:
   """Pre-train -> SFT -> RL on the addition task; returns a summary dict.
 
   Summary keys: ``accuracy_before``/``accuracy_after`` (greedy exact match on held-out
@@ -505,6 +510,10 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
   :class:`rljax.checkpoint.SigtermFlag` (see ``checkpointing.train``). ``placement``: from
   :func:`make_placement`; pre-training and SFT run in the actor's training layout, RL with every
   role placed (batches checked against the data axes first, :func:`check_placement`).
+  ``stage_checkpoint_every``: with a ``logdir``, pre-training's and SFT's states are also saved
+  every that many of their steps (0: only on SIGTERM and at their end;
+  :func:`rljax.alignment.checkpointing.run_stage`), so a rerun after a SIGKILL continues from
+  the last save. Each stage's logged records are also printed through ``log``, one line each.
 
   Raises:
     ValueError: ``logdir`` holds a run with another config (or any run, without ``resume``);
@@ -537,7 +546,8 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
     model, rec = _sft_stage(stage_dir, "pretrain", model, pre, sft.SFTConfig(
         num_steps=config.pretrain_steps, batch_size=config.batch_size,
         learning_rate=config.pretrain_lr, log_every=max(config.pretrain_steps // 3, 1), seed=s),
-        pad_id=tok.PAD, writer=writer, layout=layout, sigterm=sigterm, log=log)
+        pad_id=tok.PAD, writer=writer, layout=layout, sigterm=sigterm, log=log,
+        save_every=stage_checkpoint_every)
     log(f"pretrain: {config.pretrain_steps} steps, loss {rec['pretrain/loss']:.3f}")
   t_pre = time.perf_counter()
   examples = sft.tokenize_examples(task.sft_examples(20_000, s + 2), tok, max_prompt_len=16,
@@ -546,7 +556,7 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
     model, rec = _sft_stage(stage_dir, "sft", model, examples, sft.SFTConfig(
         num_steps=config.sft_steps, batch_size=config.batch_size, learning_rate=config.sft_lr,
         log_every=max(config.sft_steps // 2, 1), seed=s), pad_id=tok.PAD, writer=writer,
-        layout=layout, sigterm=sigterm, log=log)
+        layout=layout, sigterm=sigterm, log=log, save_every=stage_checkpoint_every)
     log(f"sft: {config.sft_steps} steps, response loss {rec['sft/loss']:.3f}")
   t_sft = time.perf_counter()
 
@@ -856,7 +866,7 @@ def check_prompt_lengths(prompts: list[list[int]], *, max_prompt_len: int, conte
 def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = None,
                    log=print, stop_after: str = "rl", placement=None,
                    checkpoint_every: int = 10, keep_checkpoints: int = 3, resume: bool = True,
-                   sigterm=None) -> dict[str, Any]:
+                   sigterm=None, stage_checkpoint_every: int = 0) -> dict[str, Any]:
   """Tokenizer -> pre-train -> SFT (chosen) -> reward model (90/10) -> PPO; returns a summary
   with the reward model's held-out accuracy and CI and the RL history. ``placement``: as in
   :func:`run_embedded`. With ``config.model`` the tokenizer and the initial weights come from
@@ -867,6 +877,8 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
   and ``wall_s`` for all; a run resumed from an older checkpoint without ``pretrain_s`` reports
   0 there. Re-running a finished run trains nothing, keeps its ``hf_model`` and
   ``summary.json``, and returns that summary (:func:`finished_summary`).
+  ``stage_checkpoint_every``: as in :func:`run_embedded`, for pre-training, SFT and the reward
+  model.
 
   Raises:
     FileNotFoundError / rljax.envs.text.data.DataError: for a missing or malformed file.
@@ -956,7 +968,8 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
         num_steps=config.pretrain_steps, batch_size=config.batch_size, learning_rate=config.lr,
         length_buckets=buckets, log_every=50, seed=config.seed, packing=config.packing,
         pack_length=2 * max_len), pad_id=tok.pad_token_id,
-        writer=writer, layout=layout, sigterm=sigterm, log=log)
+        writer=writer, layout=layout, sigterm=sigterm, log=log,
+        save_every=stage_checkpoint_every)
     log(f"pretrain: {config.pretrain_steps} steps, loss {rec['pretrain/loss']:.3f}")
   t_pre = time.perf_counter()
   sft_loss = float("nan")
@@ -966,7 +979,8 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
         learning_rate=config.sft_learning_rate,
         length_buckets=buckets, log_every=50, seed=config.seed, packing=config.packing,
         pack_length=2 * max_len), pad_id=tok.pad_token_id,
-        writer=writer, layout=layout, sigterm=sigterm, log=log)
+        writer=writer, layout=layout, sigterm=sigterm, log=log,
+        save_every=stage_checkpoint_every)
     sft_loss = rec["sft/loss"]
     log(f"sft: {config.sft_steps} steps at learning rate {config.sft_learning_rate:g}, "
         f"response loss {sft_loss:.3f}")
@@ -998,10 +1012,12 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
         margin=config.rm_margin, length_buckets=buckets, log_every=50, seed=config.seed)
     train = functools.partial(rm_lib.train_reward_model, train_pairs=tr, config=rm_config,
                               pad_id=tok.pad_token_id, eval_pairs=ho, writer=writer,
-                              layout=layout, should_stop=_stop_on(sigterm))
+                              layout=layout, should_stop=_stop_on(sigterm), log=log)
     rm_model, ev, _ = checkpointing.run_stage(
-        stage_dir, "rm", lambda m, state: train(m, state=state), rm_model,
-        lambda: rm_lib.fresh_state(rm_model, rm_config), log=log)
+        stage_dir, "rm", lambda m, state, checkpoint: train(m, state=state,
+                                                            checkpoint=checkpoint),
+        rm_model, lambda: rm_lib.fresh_state(rm_model, rm_config),
+        save_every=stage_checkpoint_every, log=log)
   if stop_after != "rm":  # train_reward_model.py prints it in its summary line
     trained = "" if loaded_rm is not None else f" ({config.rm_steps} steps)"
     log(f"reward model{trained}: held-out accuracy {ev['rm/eval_accuracy']:.3f} "

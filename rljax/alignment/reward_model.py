@@ -20,7 +20,7 @@ from flax import nnx
 
 from rljax.alignment import losses, modeling
 from rljax.alignment.sft import (DEFAULT_LENGTH_BUCKETS, check_training_fields, optimizer_for,
-                                 stop_point)
+                                 record_line, stop_point)
 from rljax.envs.text import data as text_data
 from rljax.sampling import bucket_size
 
@@ -210,6 +210,8 @@ def train_reward_model(
     layout=None,
     should_stop=None,
     state: RewardModelState | None = None,
+    checkpoint=None,
+    log=None,
 ) -> tuple[nnx.Module, RewardModelState, list[dict[str, float]]]:
   """Trains the reward head and body of ``model`` with the Bradley-Terry loss.
 
@@ -219,6 +221,7 @@ def train_reward_model(
   ``should_stop``: ``() -> bool``, asked before every step (e.g. whether SIGTERM came).
   ``state``: resume from this state (`fresh_state`'s structure), e.g. the one an `Interrupted`
   carries: the run then continues as an uninterrupted one would, records included.
+  ``checkpoint`` and ``log``: as in `rljax.alignment.sft.train_sft`.
 
   Raises:
     ValueError: no training pairs, or a pair longer than the largest bucket.
@@ -243,7 +246,7 @@ def train_reward_model(
   acc = dict(window or dict(loss=0.0, accuracy=0.0, n=0))
   for step in range(start + 1, config.num_steps + 1):
     stop_point(should_stop, prefix, config.num_steps,
-               RewardModelState(params, opt_state, step - 1, pos, dict(acc)))
+               RewardModelState(params, opt_state, step - 1, pos, dict(acc)), checkpoint)
     idx, pos = text_data.next_batch_indices(pos, len(train_pairs), config.batch_size,
                                             lengths=lengths, group_size=config.batch_size * 16)
     length = bucket_size(int(lengths[idx].max()), config.length_buckets)
@@ -265,6 +268,8 @@ def train_reward_model(
       history.append(dict(rec, step=step))
       if writer is not None:
         writer.write(step, rec, stage=prefix.strip("/") or None)
+      if log is not None:
+        log(record_line(prefix, step, config.num_steps, rec))
       acc = dict(loss=0.0, accuracy=0.0, n=0)
   nnx.update(model, params)
   return model, RewardModelState(params, opt_state, config.num_steps, pos, acc), history

@@ -315,14 +315,31 @@ def check_stop(should_stop, prefix: str, step: int, num_steps: int) -> None:
     raise Interrupted(prefix.strip("/") or "training", step, num_steps)
 
 
-def stop_point(should_stop, prefix: str, num_steps: int, state) -> None:
-  """`check_stop` before the step after ``state.step``; the `Interrupted` it raises carries
-  ``state`` (what a checkpoint of the stage saves)."""
+def stop_point(should_stop, prefix: str, num_steps: int, state, checkpoint=None) -> None:
+  """Before the step after ``state.step``: ``checkpoint(state)`` (None: nothing; it decides
+  whether to save), then `check_stop`; the `Interrupted` it raises carries ``state`` (what a
+  checkpoint of the stage saves)."""
+  if checkpoint is not None:
+    checkpoint(state)
   try:
     check_stop(should_stop, prefix, state.step, num_steps)
   except Interrupted as e:
     e.state = state
     raise
+
+
+# The values of a stage's records that `record_line` shows (SFT and pre-training, reward model).
+_SHOWN = ("loss", "padding_fraction", "train_accuracy", "eval_accuracy")
+
+
+def record_line(prefix: str, step: int, num_steps: int, record: dict[str, Any]) -> str:
+  """A logged record of a stage as one console line, e.g.
+  ``"pretrain step 50/800: loss 2.345, padding_fraction 0.120 (12.3 s)"``: its `_SHOWN`
+  values, named without ``prefix``, then ``wall_s``."""
+  shown = ", ".join(f"{name} {record[prefix + name]:.3f}" for name in _SHOWN
+                    if prefix + name in record)
+  return (f"{prefix.strip('/') or 'training'} step {step}/{num_steps}: {shown} "
+          f"({record.get(prefix + 'wall_s', 0.0):.1f} s)")
 
 
 def train_sft(
@@ -336,6 +353,8 @@ def train_sft(
     prefix: str = "sft/",
     layout=None,
     should_stop=None,
+    checkpoint=None,
+    log=None,
 ) -> tuple[nnx.Module, SFTState, list[dict[str, float]]]:
   """Trains ``model`` on ``(prompt_ids, response_ids)`` examples; returns the updated model,
   the final state (to checkpoint or resume from) and the logged metrics.
@@ -352,6 +371,9 @@ def train_sft(
     layout: an :class:`rljax.alignment.layout.TrainLayout` (mesh + rules preset) to train on:
       params and optimizer state sharded by its rules, each batch split over its data axes.
     should_stop: ``() -> bool``, asked before every step (e.g. whether SIGTERM came).
+    checkpoint: ``(state) -> None``, called with the state before every step, before
+      ``should_stop`` (e.g. `rljax.alignment.checkpointing.run_stage`'s periodic save).
+    log: ``(str) -> None``, receives each logged record as one line (`record_line`).
 
   Raises:
     ValueError: no examples, or an example longer than the largest bucket (the pack length
@@ -388,7 +410,7 @@ def train_sft(
   acc = dict(window or dict(loss=0.0, n=0, pad=0.0))
   while step < config.num_steps:
     stop_point(should_stop, prefix, config.num_steps,
-               SFTState(params, opt_state, step, pos, dict(acc)))
+               SFTState(params, opt_state, step, pos, dict(acc)), checkpoint)
     if config.packing:
       idx, pos = text_data.next_batch_indices(pos, num_rows, rows_per_step)
       batch = {k: v[idx] for k, v in packed.items()}
@@ -411,6 +433,8 @@ def train_sft(
       history.append(dict(rec, step=step))
       if writer is not None:
         writer.write(step, rec, stage=prefix.strip("/") or None)
+      if log is not None:
+        log(record_line(prefix, step, config.num_steps, rec))
       acc = dict(loss=0.0, n=0, pad=0.0)
   nnx.update(model, params)
   return model, SFTState(params, opt_state, step, pos, acc), history
