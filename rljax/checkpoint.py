@@ -470,6 +470,29 @@ def dataclass_defaults(cls: type) -> dict[str, Any]:
   return out
 
 
+def check_resume(logdir: str, held: str | None, *, resume: bool, kind: str, section: str,
+                 config_json: dict[str, Any], defaults: Mapping[str, Any] | None = None) -> None:
+  """Whether a run may start in ``logdir``, which holds ``held`` (its saved state in words,
+  e.g. ``"checkpoints up to step 3"``; None: nothing, a fresh start): a resume needs the
+  saved config (:func:`check_same_config`), and without ``resume`` a ``logdir`` that holds
+  state is refused, its checkpoints left untouched. Both trainers' logdir checks.
+
+  Args:
+    kind: the run's kind for the message (``"a control run"``, ``"an RLHF run"``).
+
+  Raises:
+    ValueError: ``held`` and not ``resume`` (naming ``logdir``, ``kind`` and ``held``), or a
+      saved config that differs.
+  """
+  if held is None:
+    return
+  if not resume:
+    raise ValueError(f"--logdir {logdir!r} already holds {kind} ({held}); run the command "
+                     f"without --noresume to continue it (resuming is the default), or use a "
+                     f"new --logdir (its checkpoints are left untouched).")
+  check_same_config(logdir, section, config_json, defaults)
+
+
 def check_same_config(logdir: str, section: str, now: dict[str, Any],
                       defaults: Mapping[str, Any] | None = None) -> None:
   """A run resumes only with the config it was started with (else it is not exact).

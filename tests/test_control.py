@@ -70,7 +70,8 @@ def test_config_rejects_bad_values(kwargs, match):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--noresume"], "already holds checkpoints (step 3); resume it (--resume) or use a new "
+    (["--noresume"], "already holds a control run (checkpoints up to step 3); run the command "
+                     "without --noresume to continue it (resuming is the default), or use a new "
                      "--logdir (its checkpoints are left untouched)."),
     (["--num_envs=128"], "holds a run with a different config (num_envs: saved 256, now 128)"),
 ])

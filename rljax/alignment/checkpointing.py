@@ -395,13 +395,8 @@ def check_logdir(logdir: str, section: str, config_json: dict[str, Any], *, resu
       checkpoints) and ``resume`` is False, or its saved config differs from ``config_json``
       (see `prepare`).
   """
-  state = saved_state(logdir)
-  if state is not None and not resume:
-    raise ValueError(f"--logdir {logdir!r} already holds an RLHF run ({state}); run the command "
-                     f"without --noresume to continue it (resuming is the default), or use a "
-                     f"new --logdir (its checkpoints are left untouched).")
-  if resume and state is not None:
-    ckpt.check_same_config(logdir, section, config_json, defaults)
+  ckpt.check_resume(logdir, saved_state(logdir), resume=resume, kind="an RLHF run",
+                    section=section, config_json=config_json, defaults=defaults)
 
 
 def _keep_stage_records(path: str, stages: dict[str, dict[str, Any]]) -> None:

@@ -970,13 +970,11 @@ def check_logdir(logdir: str | None, config, *, resume: bool, section: str = "co
       untouched), or they were saved with another config (a resume would not be exact).
   """
   newest = ckpt.newest_step(logdir) if logdir is not None else None
-  if newest is None:
-    return None
-  if not resume:
-    raise ValueError(f"{logdir!r} already holds checkpoints (step {newest}); resume it "
-                     f"(--resume) or use a new --logdir (its checkpoints are left untouched).")
-  ckpt.check_same_config(logdir, section, json.loads(config.to_json()),
-                         ckpt.dataclass_defaults(type(config)))
+  if newest is not None:
+    kind = "a control run" if section == "control" else f"an {section.upper()} run"
+    ckpt.check_resume(logdir, f"checkpoints up to step {newest}", resume=resume, kind=kind,
+                      section=section, config_json=json.loads(config.to_json()),
+                      defaults=ckpt.dataclass_defaults(type(config)))
   return newest
 
 
