@@ -7,17 +7,27 @@ Tokenizer trained on the data, pre-training and SFT on the chosen side, then the
 (from the SFT model) on a 90/10 split. With --model (a Hugging Face Llama/Qwen2 folder) the
 tokenizer and the initial weights come from that model and pre-training is skipped. Library code: rljax.alignment.reward_model and
 rljax.alignment.pipeline. User errors exit 2.
+
+Pre-training, SFT and the reward model save their state under <logdir>/stages every
+--stage_checkpoint_every steps, at their end and on a SIGTERM (exit status 75); running the same
+command with the same --logdir continues the run exactly (a finished one trains nothing and writes
+its hf_model again).
 """
 
 from __future__ import annotations
 
-import os
-import time
+from rljax import preemption
 
-from absl import app, flags
+if __name__ == "__main__":  # first, before the imports (several seconds); the trainer's own
+  preemption.exit_on_early_sigterm()  # handler replaces it while it runs
 
-from rljax import run_info, runtime
-from rljax.alignment import flags as alignment_flags
+import os  # noqa: E402
+import time  # noqa: E402
+
+from absl import app, flags  # noqa: E402
+
+from rljax import run_info, runtime  # noqa: E402
+from rljax.alignment import flags as alignment_flags  # noqa: E402
 
 # --preference_data, --logdir, --num_steps, --pretrain_steps, --limit, --seed, --verbose, --mesh,
 # --sharding_rules, process flags, --wandb, and the data flags (rljax.alignment.flags).
@@ -51,17 +61,25 @@ def main(argv):
                                sft_steps=alignment_flags.checked(_SFT_STEPS, at_least=0),
                                rm_margin=alignment_flags.checked(_MARGIN, at_least=0))
     pipeline.check_inputs(cfg, data)  # before the logdir exists
-    pipeline.check_stage_logdir(logdir, "train_reward_model.py")
+    kw = _F.checkpoint_kwargs()
     check_writable(logdir)
+    # A refused resume (another config, or --noresume on a run) leaves the folder as it was.
+    pipeline.check_logdir(cfg, logdir, data=data, resume=kw["resume"], stop_after="rm")
     run_info.start_run(logdir, cfg, use_wandb=_F.wandb.value)
     runtime.enable_compilation_cache()
-    s = pipeline.run_preference(data, cfg, logdir=logdir, stop_after="rm",
-                                placement=placement, log=runtime.primary_print)
-    lo, hi = s["rm_ci"]
-    runtime.primary_print(
-        f"reward model: held-out accuracy {s['rm_accuracy']:.3f} (95% CI {lo:.3f}-{hi:.3f}, "
-        f"n={s['rm_heldout']} of {s['num_pairs']} pairs); wall {s['wall_s']:.0f} s; "
-        f"logdir {logdir}")
+    from rljax.alignment import checkpointing
+
+    def go(sigterm):
+      s = pipeline.run_preference(data, cfg, logdir=logdir, stop_after="rm",
+                                  placement=placement, log=runtime.primary_print,
+                                  sigterm=sigterm, **kw)
+      lo, hi = s["rm_ci"]
+      runtime.primary_print(
+          f"reward model: held-out accuracy {s['rm_accuracy']:.3f} (95% CI {lo:.3f}-{hi:.3f}, "
+          f"n={s['rm_heldout']} of {s['num_pairs']} pairs); wall {s['wall_s']:.0f} s; "
+          f"logdir {logdir}")
+
+    return checkpointing.run_preemptible(go)  # 75 after a SIGTERM, the stage's state saved
 
   runtime.run_main(run, verbose=_F.verbose.value)
 

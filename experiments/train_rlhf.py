@@ -92,15 +92,8 @@ _OFFLOAD = flags.DEFINE_bool(
     "(pinned_host) between uses, freeing device memory on GPU/TPU; on CPU it is the same RAM.")
 # Checkpoints, resume and preemption (names as in train_control.py).
 _DEVICE_MEMORY = ckpt_lib.define_device_memory_flag()
-_RESUME = flags.DEFINE_bool(
-    "resume", True, "Continue from the newest checkpoint in --logdir when there is one (an RL "
-    "step, or a stage before RL).")
 _CKPT_EVERY = flags.DEFINE_integer("checkpoint_every", 10, "RL steps between checkpoints.")
 _KEEP = flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept (the newest).")
-_STAGE_CKPT_EVERY = flags.DEFINE_integer(
-    "stage_checkpoint_every", 100, "Steps of pre-training, SFT and reward-model training "
-    "between saves of their state under <logdir>/stages, which a rerun after a SIGKILL or a lost "
-    "node continues from (0: only on SIGTERM and at each stage's end).")
 _CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", None,
                                  "Cache directory (default ~/.cache/rljax).")
 # Stage sizes (tests and quick runs use small ones).
@@ -147,7 +140,7 @@ def check_algo(name: str) -> str:
 def check_checkpoint_flags() -> None:
   for flag in (_CKPT_EVERY, _KEEP):
     alignment_flags.checked(flag, at_least=1)
-  alignment_flags.checked(_STAGE_CKPT_EVERY, at_least=0)
+  _F.checkpoint_kwargs()  # --stage_checkpoint_every
 
 
 def stage_overrides(preference_data: str | None) -> dict:
@@ -232,8 +225,8 @@ def main(argv):
                              batch_sizes={"batch_size": config.batch_size})  # before compiling
     check_writable(logdir)
     # A refused resume (another config, or --noresume on a run) leaves run_info.json as it was.
-    pipeline.check_logdir(config, logdir, data=data, resume=_RESUME.value)
-    if _RESUME.value:  # a mesh that cannot hold the saved state fails here, before building
+    pipeline.check_logdir(config, logdir, data=data, resume=_F.resume.value)
+    if _F.resume.value:  # a mesh that cannot hold the saved state fails here, before building
       import jax
 
       from rljax.alignment import checkpointing as ckpting
@@ -245,21 +238,19 @@ def main(argv):
     run_info.start_run(logdir, config, use_wandb=_F.wandb.value)
     if _CACHE.value:
       runtime.enable_compilation_cache(_CACHE_DIR.value)
-    from rljax import checkpoint as ckpt
     from rljax.alignment import checkpointing
 
     ckpt_kw = dict(checkpoint_every=_CKPT_EVERY.value, keep_checkpoints=_KEEP.value,
-                   stage_checkpoint_every=_STAGE_CKPT_EVERY.value, resume=_RESUME.value,
-                   placement=placement)
-    with ckpt.SigtermFlag() as sigterm:
+                   placement=placement, **_F.checkpoint_kwargs())
+
+    def go(sigterm):
       try:
         return report(pipeline, config, logdir, sigterm=sigterm, **ckpt_kw)
-      except (checkpointing.Preempted, checkpointing.StageInterrupted) as e:
-        print(f"{e}; exiting with status {ckpt.EXIT_PREEMPTED}", file=sys.stderr)
-        return ckpt.EXIT_PREEMPTED
       except checkpointing.rlhf.NonFiniteHalt as e:  # exit status 3, as train_control.py
         print(f"error: {e}", file=sys.stderr)
         return 3
+
+    return checkpointing.run_preemptible(go)  # 75 after a SIGTERM, the state saved
 
   runtime.run_main(run, verbose=_F.verbose.value)
 

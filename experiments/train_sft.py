@@ -5,17 +5,26 @@ r"""Supervised fine-tuning (loss on response tokens only).
     python experiments/train_sft.py --preference_data=PATH --model=HF_FOLDER  # from a pretrained HF model
 
 Library code: rljax.alignment.sft and rljax.alignment.pipeline. User errors exit 2.
+
+Pre-training and SFT save their state under <logdir>/stages every --stage_checkpoint_every steps,
+at their end and on a SIGTERM (exit status 75); running the same command with the same --logdir
+continues the run exactly (a finished one trains nothing and writes its hf_model again).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import time
+from rljax import preemption
 
-from absl import app
+if __name__ == "__main__":  # first, before the imports (several seconds); the trainer's own
+  preemption.exit_on_early_sigterm()  # handler replaces it while it runs
 
-from rljax import run_info, runtime
-from rljax.alignment import flags as alignment_flags
+import dataclasses  # noqa: E402
+import time  # noqa: E402
+
+from absl import app  # noqa: E402
+
+from rljax import run_info, runtime  # noqa: E402
+from rljax.alignment import flags as alignment_flags  # noqa: E402
 
 # --preference_data, --logdir, --num_steps, --pretrain_steps, --limit, --seed, --verbose, --mesh,
 # --sharding_rules, process flags, --wandb, and the data flags but --rm_lr (rljax.alignment.flags).
@@ -45,24 +54,31 @@ def main(argv):
     else:
       cfg = _F.preference_config(sft_steps=steps)
       pipeline.check_inputs(cfg, data)  # before the logdir exists
-    pipeline.check_stage_logdir(logdir, "train_sft.py")
+    kw = _F.checkpoint_kwargs()
     check_writable(logdir)
+    # A refused resume (another config, or --noresume on a run) leaves the folder as it was.
+    pipeline.check_logdir(cfg, logdir, data=data, resume=kw["resume"], stop_after="sft")
+    run_info.start_run(logdir, cfg, use_wandb=_F.wandb.value)
     runtime.enable_compilation_cache()
-    if data is None:
-      run_info.start_run(logdir, cfg, use_wandb=_F.wandb.value)
-      s = pipeline.run_embedded(cfg, logdir=logdir, stop_after="sft", placement=placement,
-                                log=runtime.primary_print)
-      runtime.primary_print(
-          f"embedded SFT: greedy exact-match accuracy {s['accuracy_before']:.3f}; "
-          f"wall {s['wall_s']:.0f} s; logdir {logdir}")
-    else:
-      run_info.start_run(logdir, cfg, use_wandb=_F.wandb.value)
-      s = pipeline.run_preference(data, cfg, logdir=logdir, stop_after="sft",
-                                  placement=placement, log=runtime.primary_print)
-      runtime.primary_print(
-          f"SFT on {s['num_train_pairs']} chosen responses (of {s['num_pairs']} pairs; the rest "
-          f"held out): response loss {s['sft_loss']:.3f}; wall {s['wall_s']:.0f} s; "
-          f"logdir {logdir}")
+    from rljax.alignment import checkpointing
+
+    def go(sigterm):
+      if data is None:
+        s = pipeline.run_embedded(cfg, logdir=logdir, stop_after="sft", placement=placement,
+                                  log=runtime.primary_print, sigterm=sigterm, **kw)
+        runtime.primary_print(
+            f"embedded SFT: greedy exact-match accuracy {s['accuracy_before']:.3f}; "
+            f"wall {s['wall_s']:.0f} s; logdir {logdir}")
+      else:
+        s = pipeline.run_preference(data, cfg, logdir=logdir, stop_after="sft",
+                                    placement=placement, log=runtime.primary_print,
+                                    sigterm=sigterm, **kw)
+        runtime.primary_print(
+            f"SFT on {s['num_train_pairs']} chosen responses (of {s['num_pairs']} pairs; the "
+            f"rest held out): response loss {s['sft_loss']:.3f}; wall {s['wall_s']:.0f} s; "
+            f"logdir {logdir}")
+
+    return checkpointing.run_preemptible(go)  # 75 after a SIGTERM, the stage's state saved
 
   runtime.run_main(run, verbose=_F.verbose.value)
 

@@ -228,11 +228,11 @@ def _cases(tmp_path, existing, hf=None):
           "train_sft.py", [f"--preference_data={good}", m.get("good"), f"--tokenizer={tok_dir}",
                            n],
           "--tokenizer cannot be combined with --model"),
-      # SFT and reward-model runs do not resume: an existing run is refused, not appended to.
+      # A stage script does not resume (nor append to) another kind of run.
       "stage_script_existing_run": (
           "train_reward_model.py", [f"--preference_data={good}", e],
-          f"--logdir {str(existing)!r} already holds a run (checkpoints); train_reward_model.py "
-          f"runs do not resume: use a new --logdir (nothing in it was changed)"),
+          f"{str(existing)!r} holds a run of another kind (its config.json has no "
+          f"'rm_preference' section); use a new --logdir."),
       "model_without_data": ("train_rlhf.py", [m.get("good"), e],
                              "needs --preference_data=PATH"),
   }
@@ -480,18 +480,6 @@ def test_help_lists_the_shared_flags(script):
                "--sharding_rules", "--model", "--tokenizer", "--max_prompt_len",
                "--coordinator_address", "--[no]wandb", "--[no]verbose"):
     assert name in listed, (script, name, sorted(listed))
-
-
-def test_stage_scripts_refuse_a_logdir_holding_a_finished_run(tmp_path):
-  """train_sft.py / train_reward_model.py do not resume: a folder with a finished run's
-  metrics and exported model is refused, naming both, and left as it was."""
-  (tmp_path / "hf_model").mkdir()
-  (tmp_path / "metrics.jsonl").write_text('{"step": 0, "sft/loss": 2.5}\n')
-  pipeline.check_stage_logdir(str(tmp_path / "elsewhere"), "train_sft.py")  # nothing there
-  with pytest.raises(ValueError, match=r"already holds a run \(metrics.jsonl, hf_model\); "
-                     r"train_sft.py runs do not resume"):
-    pipeline.check_stage_logdir(str(tmp_path), "train_sft.py")
-  assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0, "sft/loss": 2.5}\n'
 
 
 def test_logdir_that_is_a_file_is_named_as_such(tmp_path):

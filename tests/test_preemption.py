@@ -14,7 +14,8 @@ from rljax import preemption
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("script", ["train_control.py", "train_rlhf.py"])
+@pytest.mark.parametrize("script", ["train_control.py", "train_rlhf.py", "train_sft.py",
+                                    "train_reward_model.py"])
 def test_sigterm_during_imports_exits_75(script, tmp_path):
   """A SIGTERM in the script's first second (its imports, before the trainer's handler) exits
   75 at once, with one line and nothing written."""

@@ -100,7 +100,7 @@ def test_sft_stage_starts_from_the_pretrained_model(hf_folder, tmp_path, monkeyp
     prompt, response = examples[0]
     tokens = np.asarray([list(prompt) + list(response)])
     calls.append((prefix, tokens, np.asarray(model(tokens)), config.learning_rate))
-    return model, None, [{f"{prefix}loss": 0.0}]
+    return model, pipeline.sft.fresh_state(model, config), [{f"{prefix}loss": 0.0}]
 
   monkeypatch.setattr(pipeline.sft, "train_sft", fake_train_sft)
   cfg = dataclasses.replace(pipeline.preference_defaults(hf_folder), pretrain_steps=5,

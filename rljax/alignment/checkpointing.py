@@ -366,6 +366,20 @@ def run_stage(logdir: str | None, stage: str, train: Callable, model: nnx.Module
   return model, history[-1], True
 
 
+def run_preemptible(main: Callable[[ckpt.SigtermFlag], int | None]) -> int | None:
+  """The alignment scripts' SIGTERM handling: ``main(sigterm)`` under an installed
+  :class:`rljax.checkpoint.SigtermFlag`; a `Preempted` or `StageInterrupted` (its state saved)
+  is printed to stderr and returns :data:`EXIT_PREEMPTED` (75), else ``main``'s result."""
+  import sys
+
+  with ckpt.SigtermFlag() as sigterm:
+    try:
+      return main(sigterm)
+    except (Preempted, StageInterrupted) as e:
+      print(f"{e}; exiting with status {EXIT_PREEMPTED}", file=sys.stderr)
+      return EXIT_PREEMPTED
+
+
 # ---- resume checks and the host loop ------------------------------------------------------------
 
 
@@ -395,7 +409,9 @@ def check_logdir(logdir: str, section: str, config_json: dict[str, Any], *, resu
       checkpoints) and ``resume`` is False, or its saved config differs from ``config_json``
       (see `prepare`).
   """
-  ckpt.check_resume(logdir, saved_state(logdir), resume=resume, kind="an RLHF run",
+  kind = {"sft": "an SFT run", "rm": "a reward-model run"}.get(section.split("_")[0],
+                                                              "an RLHF run")
+  ckpt.check_resume(logdir, saved_state(logdir), resume=resume, kind=kind,
                     section=section, config_json=config_json, defaults=defaults)
 
 

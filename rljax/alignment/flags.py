@@ -193,6 +193,8 @@ class StageFlags:
   seed: Any
   verbose: Any
   wandb: Any
+  resume: Any
+  stage_checkpoint_every: Any
   mesh: MeshFlags
   data: DataFlags
   logdir_prefix: str
@@ -229,6 +231,16 @@ class StageFlags:
     distributed.initialize_from_flags()
     return pipeline.make_placement(self.mesh.mesh.value, self.mesh.sharding_rules.value,
                                    placement, offload_frozen=offload_frozen)
+
+  def checkpoint_kwargs(self) -> dict[str, Any]:
+    """``resume`` and ``stage_checkpoint_every`` for ``rljax.alignment.pipeline.run_embedded``
+    / ``run_preference``, from ``--resume`` and ``--stage_checkpoint_every``.
+
+    Raises:
+      ValueError: ``--stage_checkpoint_every`` < 0.
+    """
+    return dict(resume=self.resume.value,
+                stage_checkpoint_every=checked(self.stage_checkpoint_every, at_least=0))
 
   def checked_num_steps(self) -> int | None:
     """``--num_steps`` (None when not given).
@@ -268,7 +280,7 @@ def define_stage_flags(*, logdir_prefix: str, data_help: str, steps_help: str,
                        rules_help: str | None = None) -> StageFlags:
   """Defines ``--preference_data`` (help ``data_help``), ``--logdir`` (default
   ``runs/<logdir_prefix>-<time>``), ``--num_steps`` (help ``steps_help``), ``--pretrain_steps``,
-  ``--limit``, ``--seed``, ``--verbose``, the mesh flags (`define_mesh_flags`, with ``mesh_help``
+  ``--limit``, ``--seed``, ``--verbose``, ``--resume``, ``--stage_checkpoint_every``, the mesh flags (`define_mesh_flags`, with ``mesh_help``
   and ``rules_help`` where given), the process flags, ``--wandb`` and the data flags
   (`define_data_flags`, ``--rm_lr`` only where ``reward_model``); call once, at a script's
   module level."""
@@ -288,6 +300,14 @@ def define_stage_flags(*, logdir_prefix: str, data_help: str, steps_help: str,
       # --sharding_rules.
       mesh=define_mesh_flags(**mesh_kw),
       wandb=run_info.define_wandb_flag(),
+      # Checkpoints and resume (rljax.alignment.checkpointing): the stages before RL.
+      resume=flags.DEFINE_bool(
+          "resume", True, "Continue the run in --logdir when it holds one (its saved stages "
+          "before RL; for train_rlhf.py also its RL checkpoints)."),
+      stage_checkpoint_every=flags.DEFINE_integer(
+          "stage_checkpoint_every", 100, "Steps of pre-training, SFT and reward-model training "
+          "between saves of their state under <logdir>/stages, which a rerun after a SIGKILL or "
+          "a lost node continues from (0: only on SIGTERM and at each stage's end)."),
       # Preference data: prompt budget, tokenizer, --model.
       data=define_data_flags(reward_model=reward_model),
       logdir_prefix=logdir_prefix,

@@ -459,34 +459,40 @@ def _sft_stage(logdir: str | None, stage: str, model, examples, config: sft.SFTC
   return model, record
 
 
-def saved_config(config: EmbeddedConfig | PreferenceConfig, data: str | None = None
-                 ) -> dict[str, Any]:
-  """What an RL run saves and checks in ``<logdir>/checkpoints/config.json``: the keyword
+def saved_config(config: EmbeddedConfig | PreferenceConfig, data: str | None = None,
+                 stop_after: str = "rl") -> dict[str, Any]:
+  """What a run saves and checks in ``<logdir>/checkpoints/config.json``: the keyword
   arguments ``section``, ``config_json`` and ``defaults`` of
   :func:`rljax.alignment.checkpointing.prepare`. ``data``: the preference data path
-  (``PreferenceConfig`` only; saved as an absolute path)."""
+  (``PreferenceConfig`` only; saved as an absolute path). The section names the run's kind:
+  ``rlhf_embedded`` / ``rlhf_preference`` for RL runs, ``sft_...`` and ``rm_...`` for runs
+  that stop after SFT or the reward model (``stop_after``; the stage scripts), so a logdir of
+  one kind does not resume as another."""
   from rljax.alignment import checkpointing
 
   config_json = checkpointing.config_to_json(config)
+  kind = "rlhf" if stop_after == "rl" else stop_after
   if isinstance(config, EmbeddedConfig):
-    return dict(section="rlhf_embedded", config_json=config_json,
+    return dict(section=f"{kind}_embedded", config_json=config_json,
                 defaults=ckpt.dataclass_defaults(EmbeddedConfig))
-  return dict(section="rlhf_preference", config_json=dict(config_json, data=os.path.abspath(data)),
+  return dict(section=f"{kind}_preference",
+              config_json=dict(config_json, data=os.path.abspath(data)),
               defaults=ckpt.dataclass_defaults(PreferenceConfig))
 
 
 def check_logdir(config: EmbeddedConfig | PreferenceConfig, logdir: str, *,
-                 data: str | None = None, resume: bool = True) -> None:
-  """Whether `run_embedded`/`run_preference` would accept ``logdir``, writing nothing: the
-  scripts call it before ``run_info.json`` is written, so a refused command leaves the run's
-  folder as it was.
+                 data: str | None = None, resume: bool = True, stop_after: str = "rl") -> None:
+  """Whether `run_embedded`/`run_preference` (with ``stop_after``) would accept ``logdir``,
+  writing nothing: the scripts call it before ``run_info.json`` is written, so a refused
+  command leaves the run's folder as it was.
 
   Raises:
-    ValueError: ``logdir`` holds an RL run with another config, or any (without ``resume``).
+    ValueError: ``logdir`` holds a run (saved stages, frozen roles or RL checkpoints) of
+      another kind or config, or any (without ``resume``).
   """
   from rljax.alignment import checkpointing
 
-  checkpointing.check_logdir(logdir, **saved_config(config, data), resume=resume)
+  checkpointing.check_logdir(logdir, **saved_config(config, data, stop_after), resume=resume)
 
 
 def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress: bool = False,
@@ -510,15 +516,20 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
   :class:`rljax.checkpoint.SigtermFlag` (see ``checkpointing.train``). ``placement``: from
   :func:`make_placement`; pre-training and SFT run in the actor's training layout, RL with every
   role placed (batches checked against the data axes first, :func:`check_placement`).
-  ``stage_checkpoint_every``: with a ``logdir``, pre-training's and SFT's states are also saved
-  every that many of their steps (0: only on SIGTERM and at their end;
-  :func:`rljax.alignment.checkpointing.run_stage`), so a rerun after a SIGKILL continues from
-  the last save. Each stage's logged records are also printed through ``log``, one line each.
+  With a ``logdir`` (whatever ``stop_after``: ``"sft"`` is ``train_sft.py``'s run) the stages
+  before RL save their states under ``<logdir>/stages`` at their end, on a SIGTERM and every
+  ``stage_checkpoint_every`` of their steps (0: not periodically;
+  :func:`rljax.alignment.checkpointing.run_stage`), and a rerun (``resume``) continues from the
+  last save, skipping the stages that ended; the config is checked and saved as the run's kind
+  (:func:`saved_config`). Each stage's logged records are also printed through ``log``, one
+  line each.
 
   Raises:
     ValueError: ``logdir`` holds a run with another config (or any run, without ``resume``);
       raised before anything compiles.
-    rljax.alignment.checkpointing.Preempted: SIGTERM; the RL state is checkpointed.
+    rljax.alignment.checkpointing.Preempted: SIGTERM during RL; the RL state is checkpointed.
+    rljax.alignment.checkpointing.StageInterrupted: SIGTERM before RL; the stage's state is
+      saved (with a ``logdir``).
   """
   from rljax.alignment import checkpointing
 
@@ -526,8 +537,9 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
                   batch_sizes={"batch_size": config.batch_size})
   layout = train_layout(placement)
   t0 = time.perf_counter()
-  use_ckpt = logdir is not None and stop_after == "rl"
-  resuming = use_ckpt and checkpointing.prepare(logdir, **saved_config(config), resume=resume)
+  use_ckpt = logdir is not None and stop_after == "rl"  # RL checkpoints and frozen roles
+  resuming = logdir is not None and checkpointing.prepare(
+      logdir, **saved_config(config, stop_after=stop_after), resume=resume) and use_ckpt
   tok = arithmetic.CharTokenizer()
   task = arithmetic.AdditionTask(max_operand=config.max_operand)
   model = DecoderLM(tiny_lm_config(tok.vocab_size, hidden_size=config.hidden_size,
@@ -541,7 +553,7 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
   if resuming:  # the SFT model, saved before the first RL step: exact, and no re-training
     meta = checkpointing.load_frozen(logdir, {"reference": model})
     log(f"loaded the SFT model from {checkpointing.frozen_dir(logdir)}")
-  stage_dir = logdir if use_ckpt else None  # where the stages' states are saved
+  stage_dir = logdir  # where the stages' states are saved (None: nowhere)
   if config.pretrain_steps and not resuming:
     model, rec = _sft_stage(stage_dir, "pretrain", model, pre, sft.SFTConfig(
         num_steps=config.pretrain_steps, batch_size=config.batch_size,
@@ -573,7 +585,8 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
     log(f"greedy exact-match accuracy after SFT: {acc_before:.3f}")
   if stop_after == "sft":
     if writer is not None:
-      writer.write(config.sft_steps, {"eval/accuracy": acc_before}, stage="sft")
+      # Its own stage: redone (not kept) by a rerun, as the saved stages' records are.
+      writer.write(config.sft_steps, {"eval/accuracy": acc_before}, stage="eval")
       writer.close()
     return dict(accuracy_before=acc_before, wall_s=time.perf_counter() - t0,
                 pretrain_s=t_pre - t0, sft_s=t_sft - t_pre)
@@ -805,28 +818,6 @@ def export_hf_model(model: DecoderLM, logdir: str, *, tokenizer_dir: str | None,
   return path
 
 
-def check_stage_logdir(logdir: str, script: str) -> None:
-  """Refuses a ``logdir`` that already holds a run, for the stage scripts (SFT, reward model).
-
-  These runs do not checkpoint or resume; a second run in the same folder would append its
-  records to the first one's ``metrics.jsonl`` and replace its ``hf_model``. Called before
-  anything is written (``run_info.json`` included); every process checks, then all meet.
-
-  Args:
-    logdir: the run directory (need not exist).
-    script: the script's name, for the message (``"train_sft.py"``).
-
-  Raises:
-    ValueError: naming what ``logdir`` holds (``metrics.jsonl``, ``hf_model``, ``checkpoints``).
-  """
-  held = [name for name in ("metrics.jsonl", HF_MODEL_DIR, "checkpoints")
-          if os.path.exists(os.path.join(logdir, name))]
-  runtime.sync_processes("rljax-stage-logdir-checked")
-  if held:
-    raise ValueError(f"--logdir {logdir!r} already holds a run ({', '.join(held)}); {script} "
-                     f"runs do not resume: use a new --logdir (nothing in it was changed)")
-
-
 def _tokenizer_dir(config: PreferenceConfig, logdir: str | None) -> str | None:
   """The folder whose tokenizer files go beside an exported model: ``--model``'s, else the
   run's own ``<logdir>/tokenizer``."""
@@ -906,11 +897,11 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
   # The data is read (and so checked) before the logdir records this run's config: a bad file
   # leaves nothing that would refuse the corrected command.
   pairs = text_data.load_preference_pairs(path, limit=config.limit)
-  use_ckpt = logdir is not None and stop_after == "rl"
-  resuming = use_ckpt and checkpointing.prepare(logdir, **saved_config(config, path),
-                                                 resume=resume)
-  stage_dir = logdir if use_ckpt else None  # where the stages' states are saved
-  staged = use_ckpt and bool(checkpointing.saved_stages(logdir))  # a stage to continue
+  use_ckpt = logdir is not None and stop_after == "rl"  # RL checkpoints and frozen roles
+  resuming = logdir is not None and checkpointing.prepare(
+      logdir, **saved_config(config, path, stop_after), resume=resume) and use_ckpt
+  stage_dir = logdir  # where the stages' states are saved (None: nowhere)
+  staged = logdir is not None and bool(checkpointing.saved_stages(logdir))  # a stage to continue
   layout = train_layout(placement)
   train_pairs, held_pairs = split_preference_pairs(pairs, config)
   log(f"{path}: {len(pairs)} pairs ({len(train_pairs)} train / {len(held_pairs)} held out)")
