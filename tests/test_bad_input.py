@@ -599,3 +599,21 @@ def test_config_mismatch_names_fields_one_flag_sets_together(tmp_path):
                                                                   "ppo": {"lr": 3.0}}})
   assert ("different config (rl.lr: saved 1.0, now 3.0, rl.ppo.lr: saved 2.0, now 3.0, "
           "seed and rl.seed: saved 0, now 1)") in str(err.value)
+
+
+def test_stage_scripts_refuse_a_finished_run_that_saved_no_state(tmp_path):
+  """A folder with an exported model and metrics but no saved state (a finished stage-script run
+  of an earlier version, which did not save its stages) is refused and left as it was; a folder
+  with an interrupted run's records only is not (they are redone)."""
+  cfg = pipeline.EmbeddedConfig()
+  (tmp_path / "metrics.jsonl").write_text('{"step": 50, "stage": "pretrain", "pretrain/loss": 2.5}\n')
+  pipeline.check_logdir(cfg, str(tmp_path), stop_after="sft")  # records only: redone
+  (tmp_path / "hf_model").mkdir()
+  with pytest.raises(ValueError, match=r"holds a finished run's hf_model but no saved state to "
+                     r"resume it from; use a new --logdir \(nothing in it was changed\)"):
+    pipeline.check_logdir(cfg, str(tmp_path), stop_after="sft")
+  with pytest.raises(ValueError, match="no saved state"):
+    pipeline.run_embedded(cfg, logdir=str(tmp_path), stop_after="sft", log=lambda *_: None)
+  assert sorted(os.listdir(tmp_path)) == ["hf_model", "metrics.jsonl"]
+  assert (tmp_path / "metrics.jsonl").read_text() == (
+      '{"step": 50, "stage": "pretrain", "pretrain/loss": 2.5}\n')

@@ -492,7 +492,24 @@ def check_logdir(config: EmbeddedConfig | PreferenceConfig, logdir: str, *,
   """
   from rljax.alignment import checkpointing
 
+  _refuse_export_without_state(logdir)
   checkpointing.check_logdir(logdir, **saved_config(config, data, stop_after), resume=resume)
+
+
+def _refuse_export_without_state(logdir: str) -> None:
+  """A ``logdir`` with an exported model (``hf_model``) but no saved state to resume from (a
+  finished run of an rljax version whose stage scripts did not save their stages) is refused:
+  a new run there would drop its records and replace its model.
+
+  Raises:
+    ValueError: naming ``logdir`` and what it holds.
+  """
+  from rljax.alignment import checkpointing
+
+  if (os.path.isdir(os.path.join(logdir, HF_MODEL_DIR))
+      and checkpointing.saved_state(logdir) is None):
+    raise ValueError(f"--logdir {logdir!r} holds a finished run's {HF_MODEL_DIR} but no saved "
+                     f"state to resume it from; use a new --logdir (nothing in it was changed)")
 
 
 def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress: bool = False,
@@ -538,6 +555,8 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
   layout = train_layout(placement)
   t0 = time.perf_counter()
   use_ckpt = logdir is not None and stop_after == "rl"  # RL checkpoints and frozen roles
+  if logdir is not None:
+    _refuse_export_without_state(logdir)
   resuming = logdir is not None and checkpointing.prepare(
       logdir, **saved_config(config, stop_after=stop_after), resume=resume) and use_ckpt
   tok = arithmetic.CharTokenizer()
@@ -898,6 +917,8 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
   # leaves nothing that would refuse the corrected command.
   pairs = text_data.load_preference_pairs(path, limit=config.limit)
   use_ckpt = logdir is not None and stop_after == "rl"  # RL checkpoints and frozen roles
+  if logdir is not None:
+    _refuse_export_without_state(logdir)
   resuming = logdir is not None and checkpointing.prepare(
       logdir, **saved_config(config, path, stop_after), resume=resume) and use_ckpt
   stage_dir = logdir  # where the stages' states are saved (None: nowhere)
