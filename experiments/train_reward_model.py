@@ -64,7 +64,8 @@ def main(argv):
     kw = _F.checkpoint_kwargs()
     check_writable(logdir)
     # A refused resume (another config, or --noresume on a run) leaves the folder as it was.
-    pipeline.check_logdir(cfg, logdir, data=data, resume=kw["resume"], stop_after="rm")
+    pipeline.check_logdir(cfg, logdir, data=data, resume=kw["resume"], stop_after="rm",
+                          flag_names={"rm_steps": "--num_steps", "rm_margin": "--margin"})
     run_info.start_run(logdir, cfg, use_wandb=_F.wandb.value)
     runtime.enable_compilation_cache()
     from rljax.alignment import checkpointing

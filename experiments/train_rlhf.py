@@ -225,7 +225,8 @@ def main(argv):
                              batch_sizes={"batch_size": config.batch_size})  # before compiling
     check_writable(logdir)
     # A refused resume (another config, or --noresume on a run) leaves run_info.json as it was.
-    pipeline.check_logdir(config, logdir, data=data, resume=_F.resume.value)
+    pipeline.check_logdir(config, logdir, data=data, resume=_F.resume.value,
+                          flag_names={"rl.num_steps": "--num_steps"})
     if _F.resume.value:  # a mesh that cannot hold the saved state fails here, before building
       import jax
 

@@ -218,12 +218,28 @@ def restore(
       )
     except Exception as e:  # orbax raises many types for unreadable data
       log(f"checkpoint {step} in {manager.directory} is unreadable, skipping it: "
-          f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+          f"{first_line(e)}")
       skipped.append(step)
       continue
     _set_aside(manager, skipped, log)
     return step, localize(out.policy, policy_target), localize(out.train_state, train_target)
   return None
+
+
+def set_aside(path: str) -> str:
+  """Renames the unreadable folder ``path`` to ``<path>.unreadable`` (``.unreadable1``, ... if
+  taken), kept for inspection; returns the new path. Call on process 0 only."""
+  target, n = path + ".unreadable", 1
+  while os.path.exists(target):
+    target, n = f"{path}.unreadable{n}", n + 1
+  os.rename(path, target)
+  return target
+
+
+def first_line(e: BaseException, limit: int = 300) -> str:
+  """``"Type: first line of the message"`` of ``e`` (orbax and TensorStore errors run to pages)."""
+  text = str(e).splitlines()[0][:limit] if str(e) else ""
+  return f"{type(e).__name__}: {text}"
 
 
 def _set_aside(manager: ocp.CheckpointManager, steps: list[int], log: Callable[[str], None]
@@ -236,12 +252,7 @@ def _set_aside(manager: ocp.CheckpointManager, steps: list[int], log: Callable[[
   for step in steps if is_primary() else ():
     path = os.path.join(str(manager.directory), str(step))
     if os.path.isdir(path):
-      target = path + ".unreadable"
-      n = 1
-      while os.path.exists(target):
-        target, n = f"{path}.unreadable{n}", n + 1
-      os.rename(path, target)
-      log(f"moved unreadable checkpoint {step} to {target}")
+      log(f"moved unreadable checkpoint {step} to {set_aside(path)}")
   if steps:
     sync_processes("rljax-set-aside")
     manager.reload()
@@ -470,31 +481,67 @@ def dataclass_defaults(cls: type) -> dict[str, Any]:
   return out
 
 
-def check_resume(logdir: str, held: str | None, *, resume: bool, kind: str, section: str,
-                 config_json: dict[str, Any], defaults: Mapping[str, Any] | None = None) -> None:
-  """Whether a run may start in ``logdir``, which holds ``held`` (its saved state in words,
-  e.g. ``"checkpoints up to step 3"``; None: nothing, a fresh start): a resume needs the
-  saved config (:func:`check_same_config`), and without ``resume`` a ``logdir`` that holds
-  state is refused, its checkpoints left untouched. Both trainers' logdir checks.
+# The kinds of run a logdir's config.json names (its section), in the words of the commands.
+RUN_KINDS = {
+    "control": "a train_control.py run",
+    "apg": "a train_control.py --algo=apg run",
+    "rlhf_embedded": "a train_rlhf.py run on the embedded task",
+    "rlhf_preference": "a train_rlhf.py --preference_data run",
+    "sft_embedded": "a train_sft.py run on the embedded task",
+    "sft_preference": "a train_sft.py --preference_data run",
+    "rm_preference": "a train_reward_model.py run",
+}
 
-  Args:
-    kind: the run's kind for the message (``"a control run"``, ``"an RLHF run"``).
+
+def run_kind(section: str) -> str:
+  """The kind of run a config.json ``section`` holds, in words (`RUN_KINDS`)."""
+  return RUN_KINDS.get(section, f"a {section} run")
+
+
+def check_resume(logdir: str, held: str | None, *, resume: bool, section: str,
+                 config_json: dict[str, Any], defaults: Mapping[str, Any] | None = None,
+                 flag_names: Mapping[str, str] | None = None) -> None:
+  """Whether a run of kind ``section`` may start in ``logdir``, which holds ``held`` (its saved
+  state in words, e.g. ``"checkpoints up to step 3"``; None: nothing, a fresh start). A
+  ``logdir`` holding another kind of run is refused; without ``resume`` one holding state is
+  refused, its checkpoints left untouched; a resume needs the saved config
+  (:func:`check_same_config`, with ``defaults`` and ``flag_names``). Every trainer's check.
 
   Raises:
-    ValueError: ``held`` and not ``resume`` (naming ``logdir``, ``kind`` and ``held``), or a
-      saved config that differs.
+    ValueError: naming ``logdir`` and what it holds (another kind; state without
+      ``resume``), or the fields whose saved values differ.
   """
   if held is None:
     return
+  check_same_kind(logdir, section)
   if not resume:
-    raise ValueError(f"--logdir {logdir!r} already holds {kind} ({held}); run the command "
-                     f"without --noresume to continue it (resuming is the default), or use a "
-                     f"new --logdir (its checkpoints are left untouched).")
-  check_same_config(logdir, section, config_json, defaults)
+    raise ValueError(f"--logdir {logdir!r} already holds {run_kind(section)} ({held}); run the "
+                     f"command without --noresume to resume it (the default; a finished run "
+                     f"then trains nothing), or use a new --logdir (its checkpoints are left "
+                     f"untouched).")
+  check_same_config(logdir, section, config_json, defaults, flag_names)
+
+
+def check_same_kind(logdir: str, section: str) -> None:
+  """Refuses a ``logdir`` whose saved config (if any) is of another kind of run.
+
+  Raises:
+    ValueError: naming the kind ``logdir`` holds and the kind asked for.
+  """
+  try:
+    saved = read_config(logdir)
+  except FileNotFoundError:
+    return
+  if section not in saved:
+    held = " and ".join(run_kind(k) for k in saved) or "a run of another kind"
+    raise ValueError(f"--logdir {logdir!r} holds {held}, not {run_kind(section)} (its "
+                     f"{os.path.join(checkpoint_dir(logdir), CONFIG_FILE)} says so); use a new "
+                     f"--logdir.")
 
 
 def check_same_config(logdir: str, section: str, now: dict[str, Any],
-                      defaults: Mapping[str, Any] | None = None) -> None:
+                      defaults: Mapping[str, Any] | None = None,
+                      flag_names: Mapping[str, str] | None = None) -> None:
   """A run resumes only with the config it was started with (else it is not exact).
 
   Compares ``now`` (JSON-able, possibly nested) with ``config.json[section]`` under
@@ -502,19 +549,19 @@ def check_same_config(logdir: str, section: str, now: dict[str, Any],
   ``rl.kl_coef``); a run without a saved config passes. A field missing from the saved config
   (one added to the config classes after the run started) counts as ``defaults[field]`` (flat
   dotted keys, e.g. from :func:`dataclass_defaults`, or nested), the value the run was trained
-  with; without a default it reads as ``None``.
+  with; without a default it reads as ``None``. ``flag_names`` maps fields to the flags that
+  set them where the names differ (``{"sft_steps": "--num_steps"}``), for the message.
 
   Raises:
-    ValueError: naming every differing field with its saved and current value (fields of
-      the same name that differ alike, e.g. ``seed`` and ``rl.seed``, named together).
+    ValueError: another kind of run (:func:`check_same_kind`), or naming every differing field
+      with its saved and current value (fields of the same name that differ alike, e.g.
+      ``seed`` and ``rl.seed``, named together; separated by semicolons).
   """
+  check_same_kind(logdir, section)
   try:
-    saved = read_config(logdir).get(section)
+    saved = read_config(logdir)[section]
   except FileNotFoundError:
     return
-  if saved is None:
-    raise ValueError(f"{logdir!r} holds a run of another kind (its config.json has no "
-                     f"{section!r} section); use a new --logdir.")
   saved, now = flatten_config(saved), flatten_config(now)
   implied = {k: v for k, v in flatten_config(defaults or {}).items()
              if k in now and k not in saved}
@@ -522,12 +569,14 @@ def check_same_config(logdir: str, section: str, now: dict[str, Any],
   keys = sorted(set(saved) | set(now))
   diff = {k: (saved.get(k), now.get(k)) for k in keys if saved.get(k) != now.get(k)}
   if diff:
+    flag_names = flag_names or {}
     # Fields one flag sets together (``seed`` and ``rl.seed``) differ alike: named together.
     groups: dict[tuple, list[str]] = {}
     for k, (a, b) in diff.items():
       groups.setdefault((k.rsplit(".", 1)[-1], repr(a), repr(b), k in implied), []).append(k)
-    shown = ", ".join(
-        f"{' and '.join(sorted(names, key=lambda n: (n.count('.'), n)))}: "
+    named = lambda n: f"{n} ({flag_names[n]})" if n in flag_names else n  # noqa: E731
+    shown = "; ".join(
+        f"{' and '.join(named(n) for n in sorted(names, key=lambda n: (n.count('.'), n)))}: "
         f"{'not saved, so the default ' if implied_ else 'saved '}{a}, now {b}"
         for (_, a, b, implied_), names in groups.items())
     raise ValueError(

@@ -185,7 +185,7 @@ def test_train_apg_writes_metrics_and_a_loadable_policy(tmp_path):
   again = apg.train_apg(config, logdir, progress=False, log=lambda _: None)
   assert again.resumed_from == 2 and [h["step"] for h in again.history] == [0, 1, 2]
   with pytest.raises(ValueError,
-                     match=r"already holds an APG run \(checkpoints up to step 2\); run the"):
+                     match=r"already holds a train_control.py --algo=apg run \(checkpoints up to step 2\)"):
     apg.train_apg(config, logdir, progress=False, resume=False)
   with pytest.raises(ValueError, match=r"different config \(learning_rate"):
     apg.train_apg(config.replace(learning_rate=0.5), logdir, progress=False)

@@ -126,7 +126,7 @@ def _cases(tmp_path, existing, hf=None):
           "1 preference pair(s) (--limit=1) leave no training pair after holding out 1 "
           "(eval_fraction 0.1): read at least 2 (--limit >= 2)"),
       "limit_zero": ("train_sft.py", [f"--preference_data={good}", "--limit=0", n],
-                     "limit (--limit, preference pairs to read) must be >= 1, got 0"),
+                     "--limit must be >= 1, got 0"),
       "missing_file": ("train_reward_model.py", [f"--preference_data={tmp_path}/nope.jsonl", n],
                        "does not exist"),
       "overlong_prompts_rejected": (
@@ -141,7 +141,7 @@ def _cases(tmp_path, existing, hf=None):
                           "holds a run with a different config (sft_steps: saved 7, now 150)"),
       # A nested field is named by its dotted path, not by printing the nested dicts.
       "config_mismatch_nested": ("train_rlhf.py", [e, "--kl_coef=0.5"],
-                                 "different config (rl.kl_coef: saved 0.02, now 0.5, sft_steps: "
+                                 "different config (rl.kl_coef: saved 0.02, now 0.5; sft_steps: "
                                  "saved 7, now 150)"),
       "sft_steps_negative": ("train_rlhf.py", [f"--preference_data={good}", "--sft_steps=-1", e],
                              "--sft_steps must be >= 0, got -1"),
@@ -186,8 +186,9 @@ def _cases(tmp_path, existing, hf=None):
                                    "--critic_lr applies to --algo=ppo only (grpo has no critic)"),
       "existing_run_without_resume": (
           "train_rlhf.py", [e, "--noresume"],
-          "already holds an RLHF run (RL checkpoints up to step 3); run the command without "
-          "--noresume to continue it"),
+          "already holds a train_rlhf.py run on the embedded task (RL checkpoints up to step 3); "
+          "run the command without --noresume to resume it (the default; a finished run then "
+          "trains nothing)"),
       "checkpoint_every": ("train_rlhf.py", ["--checkpoint_every=0"],
                            "--checkpoint_every must be >= 1, got 0"),
       "stage_checkpoint_every": ("train_rlhf.py", ["--stage_checkpoint_every=-1"],
@@ -231,8 +232,9 @@ def _cases(tmp_path, existing, hf=None):
       # A stage script does not resume (nor append to) another kind of run.
       "stage_script_existing_run": (
           "train_reward_model.py", [f"--preference_data={good}", e],
-          f"{str(existing)!r} holds a run of another kind (its config.json has no "
-          f"'rm_preference' section); use a new --logdir."),
+          f"--logdir {str(existing)!r} holds a train_rlhf.py run on the embedded task, not a "
+          f"train_reward_model.py run (its {existing}/checkpoints/config.json says so); use a new "
+          f"--logdir."),
       "model_without_data": ("train_rlhf.py", [m.get("good"), e],
                              "needs --preference_data=PATH"),
   }
@@ -323,8 +325,8 @@ def test_resume_check_compares_nested_fields_and_implies_class_defaults(tmp_path
   (tmp_path / "checkpoints" / "config.json").write_text(json.dumps({"rlhf_embedded": old}))
   with pytest.raises(ValueError) as err:
     prepare(changed)
-  assert ("different config (num_eval_prompts: not saved, so the default 256, now 8, "
-          "rl.kl_coef: saved 0.02, now 0.5, rl.ppo.vf_coef: not saved, so the default 0.5, "
+  assert ("different config (num_eval_prompts: not saved, so the default 256, now 8; "
+          "rl.kl_coef: saved 0.02, now 0.5; rl.ppo.vf_coef: not saved, so the default 0.5, "
           "now 1.0)") in str(err.value)
   # Without defaults a missing field differs from any value.
   with pytest.raises(ValueError, match=r"num_eval_prompts: saved None, now 256"):
@@ -395,7 +397,7 @@ def test_config_of_a_run_that_saved_nothing_does_not_bind_the_retry(tmp_path):
   os.makedirs(os.path.join(logdir, "checkpoints", "2"))
   with pytest.raises(ValueError, match="overlong_prompts: saved 'truncate', now 'reject'"):
     checkpointing.prepare(logdir, "rlhf_preference", saved, resume=True)
-  with pytest.raises(ValueError, match="already holds an RLHF run"):
+  with pytest.raises(ValueError, match="already holds a train_rlhf.py --preference_data run"):
     checkpointing.prepare(logdir, "rlhf_preference", now, resume=False)
 
 
@@ -597,8 +599,14 @@ def test_config_mismatch_names_fields_one_flag_sets_together(tmp_path):
   with pytest.raises(ValueError) as err:
     ckpt.check_same_config(str(tmp_path), "s", {"seed": 1, "rl": {"seed": 1, "lr": 3.0,
                                                                   "ppo": {"lr": 3.0}}})
-  assert ("different config (rl.lr: saved 1.0, now 3.0, rl.ppo.lr: saved 2.0, now 3.0, "
+  assert ("different config (rl.lr: saved 1.0, now 3.0; rl.ppo.lr: saved 2.0, now 3.0; "
           "seed and rl.seed: saved 0, now 1)") in str(err.value)
+  with pytest.raises(ValueError, match=r"\(rl.num_steps \(--num_steps\): not saved, so the "
+                                       r"default 2, now 3; seed and rl.seed: saved 0, now 1\)"):
+    ckpt.check_same_config(str(tmp_path), "s", {"seed": 1, "rl": {"seed": 1, "lr": 1.0,
+                                                                  "num_steps": 3,
+                                                                  "ppo": {"lr": 2.0}}},
+                           defaults={"rl.num_steps": 2}, flag_names={"rl.num_steps": "--num_steps"})
 
 
 def test_stage_scripts_refuse_a_finished_run_that_saved_no_state(tmp_path):

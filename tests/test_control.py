@@ -70,9 +70,10 @@ def test_config_rejects_bad_values(kwargs, match):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--noresume"], "already holds a control run (checkpoints up to step 3); run the command "
-                     "without --noresume to continue it (resuming is the default), or use a new "
-                     "--logdir (its checkpoints are left untouched)."),
+    (["--noresume"], "already holds a train_control.py run (checkpoints up to step 3); run the "
+                     "command without --noresume to resume it (the default; a finished run then "
+                     "trains nothing), or use a new --logdir (its checkpoints are left "
+                     "untouched)."),
     (["--num_envs=128"], "holds a run with a different config (num_envs: saved 256, now 128)"),
 ])
 def test_script_refuses_a_run_it_cannot_resume_and_leaves_it_as_it_was(flags, message, tmp_path):

@@ -152,8 +152,8 @@ def test_train_rlhf_with_model_starts_from_the_pretrained_rates(hf_folder, tmp_p
        f"--logdir={logdir}", "--nocompilation_cache"],
       capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
   assert out.returncode == 2, out.stderr[-3000:]
-  for diff in ("(lr: saved 0.002, now 1e-05,", f"model: saved None, now {hf_folder!r},",
-               "rl.actor_lr: saved 5e-05, now 5e-07,", "rl.critic_lr: saved 0.0005, now 2e-05,",
+  for diff in ("(lr: saved 0.002, now 1e-05;", f"model: saved None, now {hf_folder!r};",
+               "rl.actor_lr: saved 5e-05, now 5e-07;", "rl.critic_lr: saved 0.0005, now 2e-05;",
                "rm_lr: saved 0.0005, now 9e-06)"):
     assert diff in out.stderr, out.stderr[-3000:]
 

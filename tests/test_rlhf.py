@@ -234,7 +234,7 @@ def test_sft_and_reward_model_stages_stop_when_asked():
   model = DecoderLM(pipeline.tiny_lm_config(TOK.vocab_size, hidden_size=16, num_layers=1),
                     rngs=nnx.Rngs(0))
   with pytest.raises(sft.Interrupted, match=r"^preempted by SIGTERM during sft \(after step 2 "
-                                            r"of 5\), before RL"):
+                                            r"of 5\): the stage's state was not saved"):
     sft.train_sft(model, examples, sft.SFTConfig(num_steps=5, batch_size=2), pad_id=TOK.PAD,
                   should_stop=stop_after(2))
   asked.clear()
@@ -307,7 +307,7 @@ def test_stage_interrupted_then_resumed_from_its_saved_state_equals_an_uninterru
                             lambda: fresh(m, config))
   saved_in = os.path.join(logdir, "stages", f"{stage}-3")
   assert e.value.step == 3 and e.value.saved_in == saved_in
-  assert str(e.value) == (f"preempted by SIGTERM during {stage} (after step 3 of 6), before RL: "
+  assert str(e.value) == (f"preempted by SIGTERM during {stage} (after step 3 of 6): "
                           f"its state is saved in {saved_in}, and the same command resumes it")
   marker = checkpointing.saved_stages(logdir)[stage]
   assert (marker["step"], marker["done"], marker["window"]["n"]) == (3, False, 3)
@@ -415,3 +415,72 @@ def test_stage_record_line():
   rec = {"pretrain/loss": 2.0, "pretrain/padding_fraction": 0.125, "pretrain/wall_s": 1.0}
   assert sft.record_line("pretrain/", 1, 800, rec) == (
       "pretrain step 1/800: loss 2.000, padding_fraction 0.125 (1.0 s)")
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "missing"])
+def test_unreadable_stage_is_set_aside_and_the_stage_starts_again(damage, tmp_path):
+  """A stage whose saved folder is corrupt (its array files emptied) or missing: the rerun says
+  so, moves the folder to ``<folder>.unreadable`` (kept), drops the stage's records from
+  ``metrics.jsonl`` (others kept) and trains the stage from its start, ending as an
+  uninterrupted run."""
+  import json
+  import os
+  import shutil
+
+  from rljax.alignment import checkpointing, sft
+
+  prompts = [TOK.encode(f"{a}+{b}=") for a in range(4) for b in range(3)]
+  examples = [(p, TOK.encode(str(i % 10), add_special_tokens=False) + [TOK.EOS])
+              for i, p in enumerate(prompts)]
+  config = sft.SFTConfig(num_steps=6, batch_size=2, log_every=4, warmup_steps=2)
+
+  def model():
+    return DecoderLM(pipeline.tiny_lm_config(TOK.vocab_size, hidden_size=16, num_layers=1),
+                     rngs=nnx.Rngs(0))
+
+  def train(m, state, checkpoint, stop=None):
+    return sft.train_sft(m, examples, config, pad_id=TOK.PAD, state=state, should_stop=stop,
+                         checkpoint=checkpoint)
+
+  def crash_before_step_5():
+    crash_before_step_5.calls += 1
+    if crash_before_step_5.calls == 5:
+      raise RuntimeError("killed")
+    return False
+
+  crash_before_step_5.calls = 0
+  ref, _, _ = train(model(), None, None)
+  logdir = str(tmp_path)
+  m = model()
+  with pytest.raises(RuntimeError, match="killed"):
+    checkpointing.run_stage(logdir, "sft", lambda m, s, c: train(m, s, c, crash_before_step_5),
+                            m, lambda: sft.fresh_state(m, config), save_every=2)
+  folder = os.path.join(logdir, "stages", "sft-4")
+  records = [{"step": 3, "stage": "pretrain", "pretrain/loss": 2.0},
+             {"step": 4, "stage": "sft", "sft/loss": 1.0}]
+  with open(os.path.join(logdir, "metrics.jsonl"), "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in records)
+  if damage == "missing":
+    shutil.rmtree(folder)
+  else:
+    emptied = 0
+    for root, _, files in os.walk(folder):
+      for name in files if f"{os.sep}d" in root else ():
+        open(os.path.join(root, name), "w").close()
+        emptied += 1
+    assert emptied
+  lines = []
+  m = model()
+  m, _, ran = checkpointing.run_stage(logdir, "sft", lambda m, s, c: train(m, s, c), m,
+                                      lambda: sft.fresh_state(m, config), log=lines.append)
+  assert ran and len(lines) == 1, lines
+  assert lines[0].startswith(f"sft: the saved sft state in {folder} cannot be read (")
+  moved = f"moved to {folder}.unreadable, " if damage == "corrupt" else ""
+  assert lines[0].endswith(f"); {moved}the stage starts again"), lines[0]
+  assert os.path.isdir(folder + ".unreadable") == (damage == "corrupt")
+  from rljax.metrics import read_jsonl
+
+  assert read_jsonl(os.path.join(logdir, "metrics.jsonl")) == records[:1]
+  for a, b in zip(jax.tree.leaves(nnx.state(m, nnx.Param)),
+                  jax.tree.leaves(nnx.state(ref, nnx.Param)), strict=True):
+    np.testing.assert_array_equal(a, b)

@@ -104,7 +104,7 @@ def test_preference_sigkill_then_resume_is_bitwise_exact(setup, tmp_path):
   assert marker.keys() == {"pretrain", "sft", "rm"} and marker["pretrain"] == marker["sft"] == (
       10, True) and not marker["rm"][1] and marker["rm"][0] < 10, marker
   stages = os.path.join(logdir, "stages")
-  assert (f"preempted by SIGTERM during rm (after step {marker['rm'][0]} of 10), before RL: its "
+  assert (f"preempted by SIGTERM during rm (after step {marker['rm'][0]} of 10): its "
           f"state is saved in {stages}/rm-{marker['rm'][0]}, and the same command resumes it; "
           f"exiting with status 75") in stderr, stderr[-2000:]
 

@@ -249,7 +249,7 @@ def test_sigterm_in_sft_saves_it_resumes_it_and_after_sft_checkpoints_rl_step_0(
   assert [l.split(":")[0] for l in lines if " step " in l] == [
       "pretrain step 1/3", "pretrain step 2/3", "pretrain step 3/3", "sft step 1/2"], lines
   stages = os.path.join(os.path.abspath(logdir), "stages")
-  assert str(e.value) == (f"preempted by SIGTERM during sft (after step 1 of 2), before RL: its "
+  assert str(e.value) == (f"preempted by SIGTERM during sft (after step 1 of 2): its "
                           f"state is saved in {stages}/sft-1, and the same command resumes it")
   assert steps_run[-1] == ("sft/", 1) and not checkpointing.has_frozen(logdir)
   assert ckpt.newest_step(logdir) is None
@@ -264,8 +264,8 @@ def test_sigterm_in_sft_saves_it_resumes_it_and_after_sft_checkpoints_rl_step_0(
   assert stage_steps()[-1] == ("sft", 1)  # the interrupted start's records
   # A --noresume start is refused: the saved stages are the run's state.
   with pytest.raises(ValueError, match=re.escape(
-      "already holds an RLHF run (stages before RL: pretrain ended at step 3, sft stopped after "
-      "step 1); run the command without --noresume to continue it (resuming is the default)")):
+      "already holds a train_rlhf.py run on the embedded task (saved stages: pretrain ended at "
+      "step 3, sft stopped after step 1); run the command without --noresume to resume it")):
     pipeline.run_embedded(config, logdir=logdir, log=lambda *_: None, resume=False)
 
   train_sft = sft.train_sft

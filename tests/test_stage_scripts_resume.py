@@ -66,15 +66,17 @@ def test_reward_model_run_sigtermed_resumes_exactly_and_a_finished_rerun_trains_
   assert not os.path.exists(os.path.join(logdir, "hf_model"))
   # Refused: --noresume on it, another config, and an RLHF run in its folder.
   with pytest.raises(ValueError, match=re.escape(
-      "already holds a reward-model run (stages before RL: pretrain ended at step 10, rm "
-      "stopped after step 4, sft ended at step 10); run the command without --noresume")):
+      "already holds a train_reward_model.py run (saved stages: pretrain ended at step 10, sft "
+      "ended at step 10, rm stopped after step 4); run the command without --noresume")):
     pipeline.check_logdir(config, logdir, data=data, resume=False, stop_after="rm")
-  with pytest.raises(ValueError, match=r"different config \(rm_steps: saved 10, now 12\)"):
+  with pytest.raises(ValueError, match=r"different config \(rm_steps \(--num_steps\): saved "
+                                       r"10, now 12\)"):
     pipeline.check_logdir(pipeline.PreferenceConfig(vocab_size=300, pretrain_steps=10,
                                                     sft_steps=10, rm_steps=12),
-                          logdir, data=data, stop_after="rm")
-  with pytest.raises(ValueError, match=r"another kind \(its config.json has no "
-                                       r"'rlhf_preference' section\)"):
+                          logdir, data=data, stop_after="rm",
+                          flag_names={"rm_steps": "--num_steps"})
+  with pytest.raises(ValueError, match=r"holds a train_reward_model.py run, not a train_rlhf.py "
+                                       r"--preference_data run \(its .*config.json says so\)"):
     pipeline.check_logdir(config, logdir, data=data, stop_after="rl")
 
   lines = []
@@ -119,8 +121,10 @@ def test_sft_script_reruns_a_finished_run_and_refuses_noresume(tmp_path):
       again.stdout)
   assert "sft step" not in again.stdout and "pretrain step" not in again.stdout
   assert first.stdout.splitlines()[-1].split(";")[0] == again.stdout.splitlines()[-1].split(";")[0]
-  for extra, message in ((["--noresume"], "already holds an SFT run (stages before RL: "
-                                          "pretrain ended at step 3, sft ended at step 2)"),
+  for extra, message in ((["--noresume"], "already holds a train_sft.py run on the embedded "
+                                          "task (saved stages: pretrain ended at step 3, sft "
+                                          "ended at step 2)"),
+                         (["--num_steps=3"], "sft_steps (--num_steps): saved 2, now 3"),
                          (["--seed=1"], "seed: saved 0, now 1")):
     out = run(cmd + extra)
     assert out.returncode == 2 and message in out.stderr, out.stderr[-3000:]

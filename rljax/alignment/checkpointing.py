@@ -44,9 +44,13 @@ written and :class:`Preempted` is raised; the scripts then exit with
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+import logging
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -80,6 +84,7 @@ class Preempted(Exception):
 # step with this (the scripts exit 75 too), after `run_stage` saved the stage's state.
 StageInterrupted = sft.Interrupted
 STAGES_DIR = "stages"
+_STAGE_ORDER = {"pretrain": 0, "sft": 1, "rm": 2}  # the pipeline's order, for listings
 
 config_to_json = ckpt.config_to_json  # a (nested) config as JSON: enums by value, tuples lists
 
@@ -152,6 +157,43 @@ def _write_item(path: str, item: dict[str, Any], barrier: str) -> None:
     c.save(path, args=ocp.args.StandardSave(ckpt.globalize(item)))
 
 
+def _restore_item(path: str, local: dict[str, Any]) -> dict[str, Any]:
+  """The item `_write_item` wrote to ``path``, restored onto ``local``'s shapes and shardings;
+  raises what orbax raises."""
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, ckpt.globalize(local))
+  with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as c:
+    return ckpt.localize(c.restore(path, args=ocp.args.StandardRestore(abstract)), local)
+
+
+@contextlib.contextmanager
+def _quiet_failed_restore():
+  """Within, and after a failure in it: the reports of a failed orbax restore's leftover work
+  are not printed. It leaves one asyncio task per array whose exception was never retrieved
+  (each with TensorStore's page-long spec), and TensorStore callbacks that then find the event
+  loop closed (`sys.unraisablehook`, from other threads, after the restore has returned). The
+  caller's one-line error covers them; other reports pass."""
+  logger = logging.getLogger("asyncio")
+  level = logger.level
+  logger.setLevel(logging.CRITICAL)
+  try:
+    yield
+  except Exception:
+    hook = sys.unraisablehook
+    if not getattr(hook, "_rljax_quiet", False):  # installed once; passes everything else on
+
+      def quiet(unraisable):
+        if not (unraisable.exc_type is RuntimeError
+                and str(unraisable.exc_value) == "Event loop is closed"):
+          hook(unraisable)
+
+      quiet._rljax_quiet = True
+      sys.unraisablehook = quiet
+    raise
+  finally:
+    gc.collect()
+    logger.setLevel(level)
+
+
 def _read_item(path: str, local: dict[str, Any], what: str) -> dict[str, Any]:
   """The item `_write_item` wrote to ``path``, restored onto ``local``'s shapes and shardings.
 
@@ -159,13 +201,11 @@ def _read_item(path: str, local: dict[str, Any], what: str) -> dict[str, Any]:
     ValueError: it does not fit ``local`` (names or shapes differ) or cannot be read; the
       message names ``what`` and ``path``.
   """
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, ckpt.globalize(local))
   try:
-    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as c:
-      return ckpt.localize(c.restore(path, args=ocp.args.StandardRestore(abstract)), local)
+    return _restore_item(path, local)
   except Exception as e:  # orbax raises many types for unreadable or mismatched data
     raise ValueError(f"{what} in {path} cannot be loaded into this run's models "
-                     f"({type(e).__name__}: {str(e)[:300]})") from None
+                     f"({ckpt.first_line(e)})") from None
 
 
 def save_frozen(logdir: str, models: dict[str, nnx.Module], meta: dict[str, Any]) -> None:
@@ -224,10 +264,10 @@ def saved_stages(logdir: str) -> dict[str, dict[str, Any]]:
   if not os.path.isdir(d):
     return {}
   out = {}
-  for name in sorted(os.listdir(d)):
-    if name.endswith(".json") and not name.startswith("."):
-      with open(os.path.join(d, name), encoding="utf-8") as f:
-        out[name[:-len(".json")]] = json.load(f)
+  names = [n[:-len(".json")] for n in os.listdir(d) if n.endswith(".json") and n[0] != "."]
+  for name in sorted(names, key=lambda n: (_STAGE_ORDER.get(n, len(_STAGE_ORDER)), n)):
+    with open(os.path.join(d, f"{name}.json"), encoding="utf-8") as f:
+      out[name] = json.load(f)
   return out
 
 
@@ -265,7 +305,8 @@ def save_stage(logdir: str, stage: str, state, *, done: bool,
         data_position=[int(x) for x in state.data_position], window=_jsonable(state.window),
         record=_jsonable(record)))
     for name in os.listdir(d):  # the stage's earlier folders (the marker points here now)
-      if name != folder and name.split("-")[0] == stage and not name.endswith(".json"):
+      if (name != folder and name.split("-")[0] == stage and not name.endswith(".json")
+          and ".unreadable" not in name):  # set aside for inspection: kept
         shutil.rmtree(os.path.join(d, name), ignore_errors=True)
   runtime.sync_processes(f"rljax-stage-{stage}-saved")
   return path
@@ -285,20 +326,48 @@ def load_stage(logdir: str, stage: str, template: Callable[[], Any]):
     (``marker["done"]``).
 
   Raises:
-    ValueError: the saved state does not fit ``template`` (names or shapes differ).
+    UnreadableStage: the saved folder is missing, cannot be read, or does not fit
+      ``template`` (names or shapes differ).
   """
   marker = saved_stages(logdir).get(stage)
   if marker is None:
     return None
   template = template()
-  saved = _read_item(os.path.join(stages_dir(logdir), marker["folder"]),
-                     _stage_item(template, marker["done"]), f"the {stage} state")
+  path = os.path.join(stages_dir(logdir), marker["folder"])
+  if not os.path.isdir(path):
+    raise UnreadableStage(stage, path, "FileNotFoundError: the folder is missing")
+  try:
+    with _quiet_failed_restore():
+      saved = _restore_item(path, _stage_item(template, marker["done"]))
+  except Exception as e:  # orbax raises many types for unreadable or mismatched data
+    raise UnreadableStage(stage, path, ckpt.first_line(e, limit=160)) from None
   tree = ckpt.from_saveable({"params": template.params, "opt_state": template.opt_state}, saved)
   state = template._replace(params=tree["params"], opt_state=tree["opt_state"],
                             step=int(marker["step"]),
                             data_position=text_data.DataPosition(*marker["data_position"]),
                             window=marker["window"])
   return state, marker
+
+
+class UnreadableStage(ValueError):
+  """A stage's saved state (``path``) is missing, corrupt or does not fit the run's models."""
+
+  def __init__(self, stage: str, path: str, reason: str):
+    super().__init__(f"the saved {stage} state in {path} cannot be read ({reason})")
+    self.stage, self.path = stage, path
+
+
+def _set_stage_aside(logdir: str, e: UnreadableStage, log: Callable[[str], None]) -> None:
+  """After `UnreadableStage` ``e``: its folder (if any) is renamed ``<folder>.unreadable``, its
+  marker removed, and its records dropped from ``metrics.jsonl`` (the stage starts again)."""
+  if runtime.is_primary():
+    moved = ckpt.set_aside(e.path) if os.path.isdir(e.path) else None
+    os.remove(os.path.join(stages_dir(logdir), f"{e.stage}.json"))
+    ckpt.truncate_jsonl(os.path.join(logdir, "metrics.jsonl"), -1,
+                        lambda r: r.get("stage") == e.stage, in_place=True)
+    log(f"{e.stage}: {e}; " + (f"moved to {moved}, " if moved else "") +
+        "the stage starts again")
+  runtime.sync_processes(f"rljax-stage-{e.stage}-set-aside")
 
 
 def drop_stages(logdir: str) -> None:
@@ -342,7 +411,11 @@ def run_stage(logdir: str | None, stage: str, train: Callable, model: nnx.Module
     model, _, history = train(model, None, None)
     return model, history[-1], True
   state = None
-  saved = load_stage(logdir, stage, template)
+  try:
+    saved = load_stage(logdir, stage, template)
+  except UnreadableStage as e:  # kept for inspection; the stage starts again
+    _set_stage_aside(logdir, e, log)
+    saved = None
   if saved is not None:
     state, marker = saved
     where = os.path.join(stages_dir(logdir), marker["folder"])
@@ -370,7 +443,6 @@ def run_preemptible(main: Callable[[ckpt.SigtermFlag], int | None]) -> int | Non
   """The alignment scripts' SIGTERM handling: ``main(sigterm)`` under an installed
   :class:`rljax.checkpoint.SigtermFlag`; a `Preempted` or `StageInterrupted` (its state saved)
   is printed to stderr and returns :data:`EXIT_PREEMPTED` (75), else ``main``'s result."""
-  import sys
 
   with ckpt.SigtermFlag() as sigterm:
     try:
@@ -385,7 +457,7 @@ def run_preemptible(main: Callable[[ckpt.SigtermFlag], int | None]) -> int | Non
 
 def saved_state(logdir: str) -> str | None:
   """What RLHF state ``logdir`` holds, in words (e.g. ``"RL checkpoints up to step 4"``,
-  ``"stages before RL: pretrain ended at step 40, sft stopped after step 19"``), or None."""
+  ``"saved stages: pretrain ended at step 40, sft stopped after step 19"``), or None."""
   newest = ckpt.newest_step(logdir)
   if newest is not None:
     return f"RL checkpoints up to step {newest}"
@@ -394,25 +466,26 @@ def saved_state(logdir: str) -> str | None:
   stages = saved_stages(logdir)
   if not stages:
     return None
-  return "stages before RL: " + ", ".join(
+  return "saved stages: " + ", ".join(
       f"{name} {'ended at' if m['done'] else 'stopped after'} step {m['step']}"
       for name, m in stages.items())
 
 
 def check_logdir(logdir: str, section: str, config_json: dict[str, Any], *, resume: bool,
-                 defaults: dict[str, Any] | None = None) -> None:
+                 defaults: dict[str, Any] | None = None,
+                 flag_names: dict[str, str] | None = None) -> None:
   """`prepare`'s checks alone, writing nothing (the scripts run them before ``run_info.json``
   is written, so that a refused command leaves the run's folder as it was).
 
+  ``flag_names``: fields named by other flags (`rljax.checkpoint.check_same_config`).
+
   Raises:
     ValueError: ``logdir`` holds RLHF state (a stage's saved state, frozen roles or RL
-      checkpoints) and ``resume`` is False, or its saved config differs from ``config_json``
-      (see `prepare`).
+      checkpoints) and ``resume`` is False, or of another kind of run, or its saved config
+      differs from ``config_json`` (see `prepare`).
   """
-  kind = {"sft": "an SFT run", "rm": "a reward-model run"}.get(section.split("_")[0],
-                                                              "an RLHF run")
-  ckpt.check_resume(logdir, saved_state(logdir), resume=resume, kind=kind,
-                    section=section, config_json=config_json, defaults=defaults)
+  ckpt.check_resume(logdir, saved_state(logdir), resume=resume, section=section,
+                    config_json=config_json, defaults=defaults, flag_names=flag_names)
 
 
 def _keep_stage_records(path: str, stages: dict[str, dict[str, Any]]) -> None:

@@ -271,7 +271,7 @@ class StageFlags:
         config refuses.
     """
     return self.with_pretrain_steps(dataclasses.replace(
-        self.data.base_config(), limit=self.limit.value, seed=self.seed.value,
+        self.data.base_config(), limit=checked(self.limit, at_least=1), seed=self.seed.value,
         **self.data.overrides(), **{k: v for k, v in changes.items() if v is not None}))
 
 
@@ -302,8 +302,8 @@ def define_stage_flags(*, logdir_prefix: str, data_help: str, steps_help: str,
       wandb=run_info.define_wandb_flag(),
       # Checkpoints and resume (rljax.alignment.checkpointing): the stages before RL.
       resume=flags.DEFINE_bool(
-          "resume", True, "Continue the run in --logdir when it holds one (its saved stages "
-          "before RL; for train_rlhf.py also its RL checkpoints)."),
+          "resume", True, "Continue the run in --logdir when it holds one (its saved stages; "
+          "for train_rlhf.py also its RL checkpoints)."),
       stage_checkpoint_every=flags.DEFINE_integer(
           "stage_checkpoint_every", 100, "Steps of pre-training, SFT and reward-model training "
           "between saves of their state under <logdir>/stages, which a rerun after a SIGKILL or "

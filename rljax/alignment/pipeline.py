@@ -481,10 +481,12 @@ def saved_config(config: EmbeddedConfig | PreferenceConfig, data: str | None = N
 
 
 def check_logdir(config: EmbeddedConfig | PreferenceConfig, logdir: str, *,
-                 data: str | None = None, resume: bool = True, stop_after: str = "rl") -> None:
+                 data: str | None = None, resume: bool = True, stop_after: str = "rl",
+                 flag_names: dict[str, str] | None = None) -> None:
   """Whether `run_embedded`/`run_preference` (with ``stop_after``) would accept ``logdir``,
   writing nothing: the scripts call it before ``run_info.json`` is written, so a refused
-  command leaves the run's folder as it was.
+  command leaves the run's folder as it was. ``flag_names``: the config fields a script's
+  flags name otherwise, for the messages (``{"sft_steps": "--num_steps"}``).
 
   Raises:
     ValueError: ``logdir`` holds a run (saved stages, frozen roles or RL checkpoints) of
@@ -493,7 +495,8 @@ def check_logdir(config: EmbeddedConfig | PreferenceConfig, logdir: str, *,
   from rljax.alignment import checkpointing
 
   _refuse_export_without_state(logdir)
-  checkpointing.check_logdir(logdir, **saved_config(config, data, stop_after), resume=resume)
+  checkpointing.check_logdir(logdir, **saved_config(config, data, stop_after), resume=resume,
+                             flag_names=flag_names)
 
 
 def _refuse_export_without_state(logdir: str) -> None:

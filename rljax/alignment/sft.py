@@ -302,8 +302,7 @@ class Interrupted(Exception):
     self.state, self.saved_in = state, None
 
   def __str__(self) -> str:
-    where = (f"preempted by SIGTERM during {self.stage} (after step {self.step} of "
-             f"{self.num_steps}), before RL")
+    where = f"preempted by SIGTERM during {self.stage} (after step {self.step} of {self.num_steps})"
     if self.saved_in is None:
       return f"{where}: the stage's state was not saved, so it starts again"
     return f"{where}: its state is saved in {self.saved_in}, and the same command resumes it"

@@ -971,8 +971,7 @@ def check_logdir(logdir: str | None, config, *, resume: bool, section: str = "co
   """
   newest = ckpt.newest_step(logdir) if logdir is not None else None
   if newest is not None:
-    kind = "a control run" if section == "control" else f"an {section.upper()} run"
-    ckpt.check_resume(logdir, f"checkpoints up to step {newest}", resume=resume, kind=kind,
+    ckpt.check_resume(logdir, f"checkpoints up to step {newest}", resume=resume,
                       section=section, config_json=json.loads(config.to_json()),
                       defaults=ckpt.dataclass_defaults(type(config)))
   return newest
