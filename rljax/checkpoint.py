@@ -533,7 +533,7 @@ def check_same_kind(logdir: str, section: str) -> None:
   except FileNotFoundError:
     return
   if section not in saved:
-    held = " and ".join(run_kind(k) for k in saved) or "a run of another kind"
+    held = " and ".join(RUN_KINDS[k] for k in saved if k in RUN_KINDS) or "another kind of run"
     raise ValueError(f"--logdir {logdir!r} holds {held}, not {run_kind(section)} (its "
                      f"{os.path.join(checkpoint_dir(logdir), CONFIG_FILE)} says so); use a new "
                      f"--logdir.")

@@ -625,3 +625,20 @@ def test_stage_scripts_refuse_a_finished_run_that_saved_no_state(tmp_path):
   assert sorted(os.listdir(tmp_path)) == ["hf_model", "metrics.jsonl"]
   assert (tmp_path / "metrics.jsonl").read_text() == (
       '{"step": 50, "stage": "pretrain", "pretrain/loss": 2.5}\n')
+
+
+def test_another_kind_of_run_is_named_in_the_commands_words(tmp_path):
+  """A control run's folder (its config.json also holds the network's section) given to an
+  RLHF command: both kinds are named, the network's section is not a kind."""
+  from rljax import checkpoint as ckpt
+
+  (tmp_path / "checkpoints").mkdir()
+  (tmp_path / "checkpoints" / "config.json").write_text(
+      json.dumps({"control": {}, "network": {}}))
+  ckpt.check_same_kind(str(tmp_path), "control")  # its own kind passes
+  with pytest.raises(ValueError) as err:
+    ckpt.check_same_kind(str(tmp_path), "rlhf_preference")
+  assert str(err.value) == (
+      f"--logdir {str(tmp_path)!r} holds a train_control.py run, not a train_rlhf.py "
+      f"--preference_data run (its {tmp_path}/checkpoints/config.json says so); use a new "
+      f"--logdir.")
