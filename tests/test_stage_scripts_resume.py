@@ -84,6 +84,7 @@ def test_reward_model_run_sigtermed_resumes_exactly_and_a_finished_rerun_trains_
   stages = os.path.join(logdir, "stages")
   assert f"sft: loaded the finished stage (10 steps) from {stages}/sft-10-done" in lines
   assert f"rm: resuming after step 4 from {stages}/rm-4" in lines
+  assert not [l for l in lines if "nothing left to train" in l]
   ref_weights, weights = _weights(reference), _weights(logdir)
   assert weights.keys() == ref_weights.keys()
   for k in ref_weights:
@@ -95,7 +96,9 @@ def test_reward_model_run_sigtermed_resumes_exactly_and_a_finished_rerun_trains_
 
   monkeypatch.setattr(sft, "train_sft", must_not_train)
   monkeypatch.setattr(rm_lib, "train_reward_model", must_not_train)
-  again = pipeline.run_preference(data, config, logdir=logdir, stop_after="rm", log=quiet)
+  lines = []
+  again = pipeline.run_preference(data, config, logdir=logdir, stop_after="rm", log=lines.append)
+  assert f"{logdir} has finished its stages (pretrain, sft, rm): nothing left to train" in lines
   assert again["rm_accuracy"] == s["rm_accuracy"] and again["rm_ci"] == s["rm_ci"]
   for k, v in _weights(logdir).items():
     np.testing.assert_array_equal(v, ref_weights[k], err_msg=k)
@@ -120,6 +123,9 @@ def test_sft_script_reruns_a_finished_run_and_refuses_noresume(tmp_path):
   assert f"pretrain: loaded the finished stage (3 steps) from {stages}/pretrain-3-done" in (
       again.stdout)
   assert "sft step" not in again.stdout and "pretrain step" not in again.stdout
+  assert (f"{logdir} has finished its stages (pretrain, sft): nothing left to train"
+          in again.stdout.splitlines()), again.stdout
+  assert "nothing left to train" not in first.stdout
   assert first.stdout.splitlines()[-1].split(";")[0] == again.stdout.splitlines()[-1].split(";")[0]
   for extra, message in ((["--noresume"], "already holds a train_sft.py run on the embedded "
                                           "task (saved stages: pretrain ended at step 3, sft "

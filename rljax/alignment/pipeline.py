@@ -499,6 +499,16 @@ def check_logdir(config: EmbeddedConfig | PreferenceConfig, logdir: str, *,
                              flag_names=flag_names)
 
 
+def _say_if_finished(logdir: str | None, stages: list[str], log) -> None:
+  """Logs that a stage script's run in ``logdir`` has nothing left to train when each of its
+  ``stages`` is saved as ended (a rerun of a finished run)."""
+  from rljax.alignment import checkpointing
+
+  saved = checkpointing.saved_stages(logdir) if logdir is not None else {}
+  if stages and all(saved.get(n, {}).get("done") for n in stages):
+    log(f"{logdir} has finished its stages ({', '.join(stages)}): nothing left to train")
+
+
 def _refuse_export_without_state(logdir: str) -> None:
   """A ``logdir`` with an exported model (``hf_model``) but no saved state to resume from (a
   finished run of an rljax version whose stage scripts did not save their stages) is refused:
@@ -576,6 +586,9 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
     meta = checkpointing.load_frozen(logdir, {"reference": model})
     log(f"loaded the SFT model from {checkpointing.frozen_dir(logdir)}")
   stage_dir = logdir  # where the stages' states are saved (None: nowhere)
+  if stop_after != "rl":
+    _say_if_finished(logdir, [n for n, steps in (("pretrain", config.pretrain_steps),
+                                                 ("sft", config.sft_steps)) if steps], log)
   if config.pretrain_steps and not resuming:
     model, rec = _sft_stage(stage_dir, "pretrain", model, pre, sft.SFTConfig(
         num_steps=config.pretrain_steps, batch_size=config.batch_size,
@@ -591,7 +604,8 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
         num_steps=config.sft_steps, batch_size=config.batch_size, learning_rate=config.sft_lr,
         log_every=max(config.sft_steps // 2, 1), seed=s), pad_id=tok.PAD, writer=writer,
         layout=layout, sigterm=sigterm, log=log, save_every=stage_checkpoint_every)
-    log(f"sft: {config.sft_steps} steps, response loss {rec['sft/loss']:.3f}")
+    log(f"sft: {config.sft_steps} steps at learning rate {config.sft_lr:g}, response loss "
+        f"{rec['sft/loss']:.3f}")
   t_sft = time.perf_counter()
 
   eval_prompts = task.prompts(config.num_eval_prompts, s + 1000)
@@ -926,6 +940,10 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
       logdir, **saved_config(config, path, stop_after), resume=resume) and use_ckpt
   stage_dir = logdir  # where the stages' states are saved (None: nowhere)
   staged = logdir is not None and bool(checkpointing.saved_stages(logdir))  # a stage to continue
+  if stop_after != "rl":
+    _say_if_finished(logdir, [n for n, run in (
+        ("pretrain", config.pretrain_steps and pretrained is None), ("sft", config.sft_steps),
+        ("rm", stop_after == "rm" and loaded_rm is None)) if run], log)
   layout = train_layout(placement)
   train_pairs, held_pairs = split_preference_pairs(pairs, config)
   log(f"{path}: {len(pairs)} pairs ({len(train_pairs)} train / {len(held_pairs)} held out)")
