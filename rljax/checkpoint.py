@@ -580,7 +580,7 @@ def check_same_config(logdir: str, section: str, now: dict[str, Any],
         f"{'not saved, so the default ' if implied_ else 'saved '}{a}, now {b}"
         for (_, a, b, implied_), names in groups.items())
     raise ValueError(
-        f"{logdir!r} holds a run with a different config ({shown}); use a new --logdir "
+        f"--logdir {logdir!r} holds a run with a different config ({shown}); use a new --logdir "
         f"or the same settings to resume."
     )
 
