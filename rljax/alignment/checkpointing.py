@@ -35,7 +35,9 @@ step, data position, the sums behind the next metrics record) under ``<logdir>/s
 stage that ends saves its parameters there too. The rerun skips the stages that ended and
 continues the interrupted one from its step, with the same batches and records. Each save is
 an orbax folder (atomic) that the stage's small JSON marker, written after it, points to; the
-previous folder is removed only then.
+previous folder is removed only then. A stage also saves every ``save_every`` steps (the
+scripts' ``--stage_checkpoint_every``), which a rerun after a SIGKILL continues from; a saved
+folder that cannot be read is set aside as ``<folder>.unreadable`` and its stage starts again.
 
 On SIGTERM (:class:`rljax.checkpoint.SigtermFlag`) the current step finishes, a checkpoint is
 written and :class:`Preempted` is raised; the scripts then exit with
@@ -387,7 +389,9 @@ def run_stage(logdir: str | None, stage: str, train: Callable, model: nnx.Module
   continues from its saved step. Its state is saved every ``save_every`` steps (0: never; the
   last saved state is what a SIGKILL or a lost node resumes from), at its end, and on an
   `sft.Interrupted` (SIGTERM), which is re-raised after the save (its ``saved_in`` names the
-  folder).
+  folder). A saved state that cannot be read (`UnreadableStage`: corrupt, missing, or not
+  fitting ``template``) is reported through ``log`` and set aside as ``<folder>.unreadable``
+  with its records dropped from ``metrics.jsonl``; the stage then starts again.
 
   Args:
     stage: ``"pretrain"``, ``"sft"`` or ``"rm"``.
@@ -402,7 +406,7 @@ def run_stage(logdir: str | None, stage: str, train: Callable, model: nnx.Module
     one when the stage had ended) and whether the stage ran in this call.
 
   Raises:
-    ValueError: ``save_every`` < 0, or a saved state that does not fit ``template``.
+    ValueError: ``save_every`` < 0.
   """
   if save_every < 0:
     raise ValueError(f"stage_checkpoint_every must be >= 0 (0: only on SIGTERM and at a "
