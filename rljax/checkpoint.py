@@ -513,13 +513,14 @@ def check_resume(logdir: str, held: str | None, *, resume: bool, section: str,
   """
   if held is None:
     return
-  check_same_kind(logdir, section)
-  if not resume:
-    raise ValueError(f"--logdir {logdir!r} already holds {run_kind(section)} ({held}); run the "
-                     f"command without --noresume to resume it (the default; a finished run "
-                     f"then trains nothing), or use a new --logdir (its checkpoints are left "
-                     f"untouched).")
-  check_same_config(logdir, section, config_json, defaults, flag_names)
+  if resume:  # the kind is checked there too
+    check_same_config(logdir, section, config_json, defaults, flag_names)
+    return
+  check_same_kind(logdir, section)  # before the refusal, which would advise resuming
+  raise ValueError(f"--logdir {logdir!r} already holds {run_kind(section)} ({held}); run the "
+                   f"command without --noresume to resume it (the default; a finished run "
+                   f"then trains nothing), or use a new --logdir (its checkpoints are left "
+                   f"untouched).")
 
 
 def check_same_kind(logdir: str, section: str) -> None:
@@ -532,6 +533,11 @@ def check_same_kind(logdir: str, section: str) -> None:
     saved = read_config(logdir)
   except FileNotFoundError:
     return
+  _refuse_other_kind(logdir, section, saved)
+
+
+def _refuse_other_kind(logdir: str, section: str, saved: dict[str, Any]) -> None:
+  """`check_same_kind` on ``logdir``'s saved config ``saved`` (already read)."""
   if section not in saved:
     held = " and ".join(RUN_KINDS[k] for k in saved if k in RUN_KINDS) or "another kind of run"
     raise ValueError(f"--logdir {logdir!r} holds {held}, not {run_kind(section)} (its "
@@ -557,12 +563,12 @@ def check_same_config(logdir: str, section: str, now: dict[str, Any],
       with its saved and current value (fields of the same name that differ alike, e.g.
       ``seed`` and ``rl.seed``, named together; separated by semicolons).
   """
-  check_same_kind(logdir, section)
   try:
-    saved = read_config(logdir)[section]
+    saved = read_config(logdir)
   except FileNotFoundError:
     return
-  saved, now = flatten_config(saved), flatten_config(now)
+  _refuse_other_kind(logdir, section, saved)
+  saved, now = flatten_config(saved[section]), flatten_config(now)
   implied = {k: v for k, v in flatten_config(defaults or {}).items()
              if k in now and k not in saved}
   saved = {**implied, **saved}
