@@ -32,12 +32,14 @@ from rljax.alignment import flags as alignment_flags  # noqa: E402
 # --preference_data, --logdir, --num_steps, --pretrain_steps, --limit, --seed, --verbose, --mesh,
 # --sharding_rules, process flags, --wandb, and the data flags (rljax.alignment.flags).
 _F = alignment_flags.define_stage_flags(
-    logdir_prefix="rm", steps_help="Reward-model steps.",
+    logdir_prefix="rm", embedded=False,  # --preference_data is required
+    steps_help=f"Reward-model steps ({alignment_flags.default_steps('rm_steps')}).",
     data_help="HH-RLHF or {prompt,chosen,rejected} JSONL(.gz). Required.")
 _MARGIN = flags.DEFINE_float("margin", None, "Bradley-Terry margin.")
 _SFT_STEPS = alignment_flags.define_sft_steps_flag(
-    "SFT steps before the reward model, which starts from the SFT model (default: the "
-    "pipeline's; 0 starts it from --model or the pre-trained model).")
+    "SFT steps before the reward model, which starts from the SFT model "
+    f"({alignment_flags.default_steps('sft_steps', embedded=False)}; 0 starts it from "
+    "--model or the pre-trained model).")
 
 
 def main(argv):

@@ -56,7 +56,8 @@ _ALGOS = ("ppo", "grpo", "rloo", "reinforce_pp")
 # --sharding_rules, process flags, --wandb, and the data flags (rljax.alignment.flags), as in
 # train_sft.py and train_reward_model.py.
 _F = alignment_flags.define_stage_flags(
-    logdir_prefix="rlhf-<algo>", steps_help="RL steps (default: the pipeline's).",
+    logdir_prefix="rlhf-<algo>",
+    steps_help=f"RL steps ({alignment_flags.default_steps('rl.num_steps')}).",
     data_help="HH-RLHF or {prompt,chosen,rejected} JSONL(.gz); default: embedded task.",
     mesh_help="Device mesh D,F,T (data, fsdp, tensor sizes). colocated: over all devices "
     "(default: all on data); disaggregated: the training mesh, the other devices generate.",
@@ -98,8 +99,11 @@ _CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", None,
                                  "Cache directory (default ~/.cache/rljax).")
 # Stage sizes (tests and quick runs use small ones).
 _SFT_STEPS = alignment_flags.define_sft_steps_flag(
-    "SFT steps (0 skips SFT, e.g. for a --model that is already fine-tuned).")
-_RM_STEPS = flags.DEFINE_integer("rm_steps", None, "--preference_data: reward-model steps.")
+    f"SFT steps ({alignment_flags.default_steps('sft_steps')}; 0 skips SFT, e.g. for a "
+    "--model that is already fine-tuned).")
+_RM_STEPS = flags.DEFINE_integer(
+    "rm_steps", None,
+    f"--preference_data: reward-model steps ({alignment_flags.default_steps('rm_steps')}).")
 _REWARD_MODEL = flags.DEFINE_string(
     "reward_model", None, "--preference_data with --model: a trained reward model's Hugging "
     "Face folder (train_reward_model.py's <logdir>/hf_model, or a one-label "

@@ -29,7 +29,7 @@ from rljax.alignment import flags as alignment_flags  # noqa: E402
 # --preference_data, --logdir, --num_steps, --pretrain_steps, --limit, --seed, --verbose, --mesh,
 # --sharding_rules, process flags, --wandb, and the data flags but --rm_lr (rljax.alignment.flags).
 _F = alignment_flags.define_stage_flags(
-    logdir_prefix="sft", steps_help="SFT steps.",
+    logdir_prefix="sft", steps_help=f"SFT steps ({alignment_flags.default_steps('sft_steps')}).",
     data_help="HH-RLHF or {prompt,chosen,rejected} JSONL(.gz); default: embedded task.",
     reward_model=False)  # no --rm_lr: SFT trains no reward model
 

@@ -593,8 +593,9 @@ def check_same_config(logdir: str, section: str, now: dict[str, Any],
 
 def truncate_jsonl(path: str, last_step: int,
                    applies: Callable[[dict[str, Any]], bool] = lambda r: True, *,
-                   in_place: bool = False) -> None:
-  """Drops records with ``step > last_step`` (they are redone after a resume).
+                   in_place: bool = False) -> int:
+  """Drops records with ``step > last_step`` (they are redone after a resume); returns how
+  many (0 on processes other than 0, which write no logs).
 
   Only records for which ``applies(record)`` is true are considered (e.g. RL records in a
   file that also holds pre-training ones). The file is replaced atomically, or with
@@ -604,23 +605,24 @@ def truncate_jsonl(path: str, last_step: int,
   from rljax.runtime import is_primary
 
   if not is_primary() or not os.path.exists(path):
-    return
+    return 0
   from rljax import metrics as metrics_lib
 
   records = metrics_lib.read_jsonl(path)
   keep = [r for r in records if not (applies(r) and r["step"] > last_step)]
   if len(keep) == len(records):  # nothing to drop: the file is left as it is
-    return
+    return 0
   text = "".join(json.dumps(r) + "\n" for r in keep)
   if in_place:
     with open(path, "r+", encoding="utf-8") as f:
       f.write(text)
       f.truncate()
-    return
+    return len(records) - len(keep)
   tmp = path + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
     f.write(text)
   os.replace(tmp, path)
+  return len(records) - len(keep)
 
 
 class SigtermFlag:

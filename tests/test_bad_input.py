@@ -390,8 +390,20 @@ def test_config_of_a_run_that_saved_nothing_does_not_bind_the_retry(tmp_path):
   logdir = str(tmp_path / "run")
   saved = {"overlong_prompts": "reject", "sft_steps": 7}
   now = {"overlong_prompts": "truncate", "sft_steps": 7}
-  assert checkpointing.prepare(logdir, "rlhf_preference", saved, resume=True) is False
-  assert checkpointing.prepare(logdir, "rlhf_preference", now, resume=True) is False
+  said = []
+  assert checkpointing.prepare(logdir, "rlhf_preference", saved, resume=True,
+                               log=said.append) is False
+  assert said == []  # a first start: nothing to say
+  # The earlier start logged two records before it was killed, with nothing saved: the
+  # retry says that it starts from the beginning, and drops them.
+  with open(os.path.join(logdir, "metrics.jsonl"), "w") as f:
+    f.write('{"step": 1, "stage": "pretrain"}\n{"step": 2, "stage": "pretrain"}\n')
+  assert checkpointing.prepare(logdir, "rlhf_preference", now, resume=True,
+                               log=said.append) is False
+  assert said == [f"{logdir}: an earlier start of this run saved no state (it stopped before "
+                  "its first save), so it starts from the beginning; its 2 record(s) in "
+                  "metrics.jsonl are dropped"]
+  assert os.path.getsize(os.path.join(logdir, "metrics.jsonl")) == 0
   with open(os.path.join(logdir, "checkpoints", "config.json")) as f:
     assert json.load(f) == {"rlhf_preference": now}
   os.makedirs(os.path.join(logdir, "checkpoints", "2"))
@@ -482,6 +494,43 @@ def test_help_lists_the_shared_flags(script):
                "--sharding_rules", "--model", "--tokenizer", "--max_prompt_len",
                "--coordinator_address", "--[no]wandb", "--[no]verbose"):
     assert name in listed, (script, name, sorted(listed))
+  # The stage sizes' defaults are given as numbers (rljax.alignment.flags.STEP_DEFAULTS).
+  text = " ".join(out.stdout.split())
+  for shown in _STEP_HELP[script]:
+    assert shown in text, (script, shown)
+
+
+_STEP_HELP = {
+    "train_sft.py": [
+        "SFT steps (default: 150 on the embedded task, 100 with --preference_data)",
+        "Pre-training steps before SFT (default: 800 on the embedded task, 150 with "
+        "--preference_data; 0 skips it"],
+    "train_reward_model.py": [
+        "Reward-model steps (default: 150)",
+        "which starts from the SFT model (default: 100; 0 starts it",
+        "Pre-training steps before SFT (default: 150; 0 skips it"],
+    "train_rlhf.py": [
+        "RL steps (default: 200 on the embedded task, 100 with --preference_data)",
+        "SFT steps (default: 150 on the embedded task, 100 with --preference_data; 0 skips SFT",
+        "reward-model steps (default: 150)"],
+}
+
+
+def test_step_defaults_in_the_help_are_the_configs():
+  """The numbers the scripts' --help gives (`STEP_DEFAULTS`, written out so the flags are
+  defined before JAX is imported) are the pipeline configs' defaults."""
+  from rljax.alignment import flags as alignment_flags
+  from rljax.alignment import pipeline
+
+  def sizes(cfg, names):
+    return {n: (cfg.rl.num_steps if n == "rl.num_steps" else getattr(cfg, n)) for n in names}
+
+  for kind, cfg in (("embedded", pipeline.EmbeddedConfig()),
+                    ("preference", pipeline.PreferenceConfig())):
+    shown = alignment_flags.STEP_DEFAULTS[kind]
+    assert shown == sizes(cfg, shown), kind
+  assert set(alignment_flags.STEP_DEFAULTS["preference"]) == {
+      "pretrain_steps", "sft_steps", "rm_steps", "rl.num_steps"}
 
 
 def test_logdir_that_is_a_file_is_named_as_such(tmp_path):

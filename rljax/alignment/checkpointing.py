@@ -492,17 +492,18 @@ def check_logdir(logdir: str, section: str, config_json: dict[str, Any], *, resu
                     config_json=config_json, defaults=defaults, flag_names=flag_names)
 
 
-def _keep_stage_records(path: str, stages: dict[str, dict[str, Any]]) -> None:
+def _keep_stage_records(path: str, stages: dict[str, dict[str, Any]]) -> int:
   """Drops the records of ``metrics.jsonl`` at ``path`` that no saved stage covers: those of
-  other stages (RL included) and those after a saved stage's step."""
+  other stages (RL included) and those after a saved stage's step; returns how many."""
   def covered(r):
     return r.get("stage") in stages and r["step"] <= stages[r["stage"]]["step"]
 
-  ckpt.truncate_jsonl(path, -1, lambda r: not covered(r))  # steps count from 0 or 1
+  return ckpt.truncate_jsonl(path, -1, lambda r: not covered(r))  # steps count from 0 or 1
 
 
 def prepare(logdir: str, section: str, config_json: dict[str, Any], *, resume: bool,
-            defaults: dict[str, Any] | None = None) -> bool:
+            defaults: dict[str, Any] | None = None,
+            log: Callable[[str], None] | None = None) -> bool:
   """Checks ``logdir`` before anything is built or compiled; returns whether to resume.
 
   With ``resume``, a run whose saved config differs is refused when the ``logdir`` holds its
@@ -514,6 +515,8 @@ def prepare(logdir: str, section: str, config_json: dict[str, Any], *, resume: b
   untouched). Then the config is written to ``<logdir>/checkpoints/config.json``. Before RL
   (no frozen roles yet), ``metrics.jsonl`` keeps only the records of the stages saved under
   ``<logdir>/stages``, up to their saved steps: an earlier start's later records are redone.
+  ``log`` (process 0) is told when an earlier start (its config is saved) saved no state, so
+  that this one starts from the beginning, and how many of its records are dropped.
 
   Returns:
     True when ``resume`` and the frozen roles are saved (the RL stage can start from them).
@@ -526,10 +529,16 @@ def prepare(logdir: str, section: str, config_json: dict[str, Any], *, resume: b
   # Every process has looked before process 0 writes (else a peer would find the new file).
   runtime.sync_processes("rljax-prepare-checked")
   if runtime.is_primary():
-    ckpt.write_json_atomic(os.path.join(ckpt.checkpoint_dir(logdir), ckpt.CONFIG_FILE),
-                           {section: config_json})
+    config_path = os.path.join(ckpt.checkpoint_dir(logdir), ckpt.CONFIG_FILE)
+    started_before = os.path.exists(config_path) and saved_state(logdir) is None
+    ckpt.write_json_atomic(config_path, {section: config_json})
+    dropped = 0
     if not frozen:  # what an earlier start logged past its saved stages is redone: those go
-      _keep_stage_records(os.path.join(logdir, "metrics.jsonl"), saved_stages(logdir))
+      dropped = _keep_stage_records(os.path.join(logdir, "metrics.jsonl"), saved_stages(logdir))
+    if started_before and log is not None:
+      log(f"{logdir}: an earlier start of this run saved no state (it stopped before its "
+          f"first save), so it starts from the beginning"
+          + (f"; its {dropped} record(s) in metrics.jsonl are dropped" if dropped else ""))
   runtime.sync_processes("rljax-prepare-written")
   return frozen
 

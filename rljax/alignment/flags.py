@@ -42,6 +42,29 @@ def checked(holder: flags.FlagHolder, *, at_least: float | None = None,
   return value
 
 
+# The stage sizes of rljax.alignment.pipeline's two configs (EmbeddedConfig: the embedded task;
+# PreferenceConfig: --preference_data), named in the flags' help. They are written out here
+# because the scripts define their flags before importing the pipeline (and JAX);
+# tests/test_bad_input.py (test_step_defaults_in_the_help_are_the_configs) checks them against
+# the configs.
+STEP_DEFAULTS = {
+    "embedded": {"pretrain_steps": 800, "sft_steps": 150, "rl.num_steps": 200},
+    "preference": {"pretrain_steps": 150, "sft_steps": 100, "rm_steps": 150,
+                   "rl.num_steps": 100},
+}
+
+
+def default_steps(field: str, *, embedded: bool = True) -> str:
+  """``"default: 800 on the embedded task, 150 with --preference_data"`` for a `STEP_DEFAULTS`
+  field, for flag help; only the ``--preference_data`` one where ``embedded`` is False (a script
+  that needs the data) or where the embedded task has no such stage (``rm_steps``)."""
+  pref = STEP_DEFAULTS["preference"][field]
+  if not embedded or field not in STEP_DEFAULTS["embedded"]:
+    return f"default: {pref}"
+  return f"default: {STEP_DEFAULTS['embedded'][field]} on the embedded task, {pref} with " \
+         "--preference_data"
+
+
 def define_sft_steps_flag(help_text: str) -> flags.FlagHolder:
   """``--sft_steps`` (default None: the pipeline's), for the scripts that run SFT before their
   own stage (``train_reward_model.py``, ``train_rlhf.py``); ``train_sft.py`` takes
@@ -276,14 +299,16 @@ class StageFlags:
 
 
 def define_stage_flags(*, logdir_prefix: str, data_help: str, steps_help: str,
-                       reward_model: bool = True, mesh_help: str | None = None,
+                       reward_model: bool = True, embedded: bool = True,
+                       mesh_help: str | None = None,
                        rules_help: str | None = None) -> StageFlags:
   """Defines ``--preference_data`` (help ``data_help``), ``--logdir`` (default
   ``runs/<logdir_prefix>-<time>``), ``--num_steps`` (help ``steps_help``), ``--pretrain_steps``,
   ``--limit``, ``--seed``, ``--verbose``, ``--resume``, ``--stage_checkpoint_every``, the mesh flags (`define_mesh_flags`, with ``mesh_help``
   and ``rules_help`` where given), the process flags, ``--wandb`` and the data flags
   (`define_data_flags`, ``--rm_lr`` only where ``reward_model``); call once, at a script's
-  module level."""
+  module level. ``embedded``: the script runs the embedded task without ``--preference_data``
+  (the help then names both configs' default stage sizes)."""
   mesh_kw = {k: v for k, v in (("mesh_help", mesh_help), ("rules_help", rules_help)) if v}
   out = StageFlags(
       preference_data=flags.DEFINE_string("preference_data", None, data_help),
@@ -291,8 +316,9 @@ def define_stage_flags(*, logdir_prefix: str, data_help: str, steps_help: str,
           "logdir", None, f"Output directory (default runs/{logdir_prefix}-<time>)."),
       num_steps=flags.DEFINE_integer("num_steps", None, steps_help),
       pretrain_steps=flags.DEFINE_integer(
-          "pretrain_steps", None, "Pre-training steps before SFT (default: the pipeline's; 0 "
-          "skips it; unused with --model, whose weights are pretrained)."),
+          "pretrain_steps", None, "Pre-training steps before SFT "
+          f"({default_steps('pretrain_steps', embedded=embedded)}; 0 skips it; unused with "
+          "--model, whose weights are pretrained)."),
       limit=flags.DEFINE_integer("limit", None, "Read at most this many preference pairs."),
       seed=flags.DEFINE_integer("seed", 0, "Seed."),
       verbose=flags.DEFINE_bool("verbose", False, "Print tracebacks for user errors."),

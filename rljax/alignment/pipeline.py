@@ -500,7 +500,7 @@ def check_logdir(config: EmbeddedConfig | PreferenceConfig, logdir: str, *,
 
 
 def _prepare(logdir: str | None, config: EmbeddedConfig | PreferenceConfig, data: str | None,
-             stop_after: str, resume: bool) -> bool:
+             stop_after: str, resume: bool, log) -> bool:
   """`check_logdir`'s checks, then `rljax.alignment.checkpointing.prepare` (the config
   written); whether the frozen roles are saved to resume RL from (False without a
   ``logdir``)."""
@@ -509,7 +509,8 @@ def _prepare(logdir: str | None, config: EmbeddedConfig | PreferenceConfig, data
   if logdir is None:
     return False
   _refuse_export_without_state(logdir)
-  return checkpointing.prepare(logdir, **saved_config(config, data, stop_after), resume=resume)
+  return checkpointing.prepare(logdir, **saved_config(config, data, stop_after), resume=resume,
+                               log=log)
 
 
 def _say_if_finished(logdir: str | None, stages: list[str], log) -> None:
@@ -581,7 +582,7 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
   layout = train_layout(placement)
   t0 = time.perf_counter()
   use_ckpt = logdir is not None and stop_after == "rl"  # RL checkpoints and frozen roles
-  resuming = _prepare(logdir, config, None, stop_after, resume) and use_ckpt
+  resuming = _prepare(logdir, config, None, stop_after, resume, log) and use_ckpt
   tok = arithmetic.CharTokenizer()
   task = arithmetic.AdditionTask(max_operand=config.max_operand)
   model = DecoderLM(tiny_lm_config(tok.vocab_size, hidden_size=config.hidden_size,
@@ -944,7 +945,7 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
   # leaves nothing that would refuse the corrected command.
   pairs = text_data.load_preference_pairs(path, limit=config.limit)
   use_ckpt = logdir is not None and stop_after == "rl"  # RL checkpoints and frozen roles
-  resuming = _prepare(logdir, config, path, stop_after, resume) and use_ckpt
+  resuming = _prepare(logdir, config, path, stop_after, resume, log) and use_ckpt
   stage_dir = logdir  # where the stages' states are saved (None: nowhere)
   staged = logdir is not None and bool(checkpointing.saved_stages(logdir))  # a stage to continue
   if stop_after != "rl":
