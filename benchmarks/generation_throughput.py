@@ -23,7 +23,7 @@ of ``--repeats`` calls after one warm-up call. ``rljax_compile_s`` is the first 
 minus the median.
 
 The decode roofline (see ``benchmarks/README.md``) uses this machine's measured memory bandwidth
-(a weight-streaming GEMV larger than the caches) and f32 matmul throughput (a large GEMM):
+(the faster of a GEMV and a sum over a 128 MiB array) and f32 matmul throughput (a large GEMM):
 
   t_step(B) = max((W + KV(B)) / BW, (2 * N * B + A(B)) / F),   roofline = B / t_step(B)
   end-to-end (prefill included): B * R / (2 * N * B * P / F + (R - 1) * t_step(B))
@@ -74,8 +74,11 @@ def make_checkpoint(path: str, *, vocab: int, hidden: int, layers: int, heads: i
 
 
 def measure_machine(repeats: int = 7) -> dict[str, float]:
-  """Memory bandwidth (bytes/s) from a 128 MiB f32 GEMV; f32 and bf16 (f32-accumulated) matmul
-  throughput (flop/s) from a 1024 x 1024 x 2048 GEMM, all with XLA on this machine."""
+  """Memory bandwidth (bytes/s): the faster of two reads of a 128 MiB f32 array, a GEMV and a
+  sum (``bandwidth_gemv_bytes_per_s``, ``bandwidth_sum_bytes_per_s``; XLA:CPU's GEMV alone can
+  read slower than the memory allows: on stop 43's Xeon 16.5 GB/s, below the rate at which
+  rljax's batch-1 decode read its weights); f32 and bf16 (f32-accumulated) matmul throughput
+  (flop/s) from a 1024 x 1024 x 2048 GEMM, all with XLA on this machine."""
 
   def best(f, *args):
     jax.block_until_ready(f(*args))
@@ -87,12 +90,14 @@ def measure_machine(repeats: int = 7) -> dict[str, float]:
     return min(times)
 
   mv = jax.jit(lambda x, w: x @ w)
-  w = jnp.ones((8192, 4096), jnp.float32)  # 128 MiB: far beyond the 32 MiB L3
+  w = jnp.ones((8192, 4096), jnp.float32)  # 128 MiB: beyond a 32 MiB L3 (Zen 3/4 here)
   x = jnp.ones((1, 8192), jnp.float32)
-  bandwidth = w.nbytes / best(mv, x, w)
+  gemv = w.nbytes / best(mv, x, w)
+  total = w.nbytes / best(jax.jit(jnp.sum), w)
   del w
   mm = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32))
-  out = {"bandwidth_bytes_per_s": bandwidth}
+  out = {"bandwidth_bytes_per_s": max(gemv, total), "bandwidth_gemv_bytes_per_s": gemv,
+         "bandwidth_sum_bytes_per_s": total}
   for name, dtype in (("matmul_flops_per_s", jnp.float32),
                       ("bf16_matmul_flops_per_s", jnp.bfloat16)):
     a = jnp.ones((1024, 1024), dtype)
