@@ -610,19 +610,20 @@ def truncate_jsonl(path: str, last_step: int,
 
   records = metrics_lib.read_jsonl(path)
   keep = [r for r in records if not (applies(r) and r["step"] > last_step)]
-  if len(keep) == len(records):  # nothing to drop: the file is left as it is
+  dropped = len(records) - len(keep)
+  if not dropped:  # the file is left as it is
     return 0
   text = "".join(json.dumps(r) + "\n" for r in keep)
   if in_place:
     with open(path, "r+", encoding="utf-8") as f:
       f.write(text)
       f.truncate()
-    return len(records) - len(keep)
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    f.write(text)
-  os.replace(tmp, path)
-  return len(records) - len(keep)
+  else:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.write(text)
+    os.replace(tmp, path)
+  return dropped
 
 
 class SigtermFlag:
