@@ -199,24 +199,20 @@ def build_config():
   try:
     return default_config(_ENV.value).replace(**overrides)
   except ConfigError as e:
-    raise ConfigError(with_defaults_named(str(e), overrides, _ENV.value)) from None
+    raise ConfigError(with_defaults_named(e, overrides, _ENV.value)) from None
 
 
-def with_defaults_named(message: str, overrides, env: str) -> str:
-  """``message`` plus the values of the ``name=value`` fields it names that the command line did
-  not set, e.g. ``... Not set by a flag: num_envs=256 (playground/CartpoleBalance's default).``"""
-  import re
-
+def with_defaults_named(error, overrides, env: str) -> str:
+  """``error``'s message plus the values of its ``fields`` (`ConfigError.fields`) that the command
+  line did not set, e.g. ``... Not set by a flag: num_envs=256 (playground/CartpoleBalance's
+  default).``"""
   from rljax.control.config import default_config
 
-  if "'s defaults" in message:  # the config's own hint names them already
-    return message
   defaults = dataclasses.asdict(default_config(env))
-  named = dict.fromkeys(n for n in re.findall(r"\b(\w+)=", message) if n in defaults)
-  unset = [f"{n}={defaults[n]!r}" for n in named if n not in overrides]
+  unset = [f"{n}={defaults[n]!r}" for n in error.fields if n not in overrides]
   if not unset:
-    return message
-  return (f"{message} Not set by a flag: {', '.join(unset)} ({env}'s "
+    return str(error)
+  return (f"{error} Not set by a flag: {', '.join(unset)} ({env}'s "
           f"default{'s' if len(unset) > 1 else ''}).")
 
 

@@ -69,6 +69,32 @@ def test_config_rejects_bad_values(kwargs, match):
     ControlConfig(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, fields", [
+    (dict(num_envs=16, batch_size=48, num_minibatches=5), ("batch_size", "num_minibatches")),
+    (dict(num_envs=16, num_minibatches=5), ("num_envs", "batch_size", "num_minibatches")),
+    (dict(num_envs=16, batch_size=40), ("batch_size", "num_envs")),
+    (dict(num_envs=16, num_minibatches=4, num_microbatches=3),
+     ("num_microbatches", "num_envs", "batch_size", "num_minibatches")),
+    (dict(overlap_value_update=True, max_grad_norm=1.0), ("max_grad_norm",)),
+    (dict(gae_per_minibatch=True, overlap_value_update=True), ("overlap_value_update",)),
+    (dict(gae_per_minibatch=True, num_microbatches=2), ("num_microbatches",)),
+    # The message already says the environment's defaults set it: nothing for the script to add.
+    (dict(env="playground/CheetahRun", overlap_value_update=True, max_grad_norm=1.0), ()),
+    (dict(num_envs=0), ()),  # quotes no name=value
+])
+def test_config_error_names_the_fields_it_quotes(kwargs, fields):
+  """`ConfigError.fields` lists the ``name=value`` fields of its message, in the message's order
+  (train_control.py names those no flag set as the environment's defaults)."""
+  with pytest.raises(ConfigError) as info:
+    ControlConfig(**kwargs)
+  assert info.value.fields == fields
+  message = str(info.value)
+  for name in fields:
+    assert f"{name}=" in message, (name, message)
+  assert [message.index(f"{n}=") for n in fields] == sorted(
+      message.index(f"{n}=") for n in fields)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--noresume"], "already holds a train_control.py run (checkpoints up to step 3); run the "
                      "command without --noresume to resume it (the default; a finished run then "

@@ -13,7 +13,17 @@ from rljax.ppo import LossAggregation, PPOConfig
 
 
 class ConfigError(ValueError):
-  """A configuration value is out of range; the message names the field and value."""
+  """A configuration value is out of range; the message names the field and value.
+
+  Attributes:
+    fields: the config fields whose values the message quotes as ``name=value``, in the
+      message's order (``experiments/train_control.py`` names the ones no flag set as the
+      environment's defaults); empty where the message says where its values come from.
+  """
+
+  def __init__(self, message: str, *, fields: tuple[str, ...] = ()):
+    super().__init__(message)
+    self.fields = tuple(fields)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -168,15 +178,18 @@ class ControlConfig:
     if self.overlap_value_update and self.max_grad_norm is not None:
       raise ConfigError(
           f"overlap_value_update needs max_grad_norm=None (a global-norm clip couples the policy "
-          f"and value steps), got max_grad_norm={self.max_grad_norm!r}{hint}.")
+          f"and value steps), got max_grad_norm={self.max_grad_norm!r}{hint}.",
+          fields=() if hint else ("max_grad_norm",))
     if self.gae_per_minibatch and self.overlap_value_update:
       raise ConfigError(
           "gae_per_minibatch needs overlap_value_update=False (the overlapped value update "
-          f"trains on advantages computed before it), got overlap_value_update=True{hint}.")
+          f"trains on advantages computed before it), got overlap_value_update=True{hint}.",
+          fields=() if hint else ("overlap_value_update",))
     if self.gae_per_minibatch and self.num_microbatches != 1:
       raise ConfigError(
           f"gae_per_minibatch needs num_microbatches=1 (advantages are whitened over the whole "
-          f"minibatch), got num_microbatches={self.num_microbatches}.")
+          f"minibatch), got num_microbatches={self.num_microbatches}.",
+          fields=("num_microbatches",))
     min_std = _ActorCriticConfig.min_std  # the network's floor; checked here before compiling
     if not self.init_std > min_std:
       raise ConfigError(
@@ -192,22 +205,23 @@ class ControlConfig:
     # batch_size=0 means one segment per environment: name num_envs as the batch's source.
     batch_src = (f"batch_size={batch}" if self.batch_size else
                  f"num_envs={self.num_envs}, as batch_size=0")
+    batch_fields = ("batch_size",) if self.batch_size else ("num_envs", "batch_size")
     if batch % self.num_envs:
       raise ConfigError(
           f"batch_size={batch} must be a multiple of num_envs={self.num_envs} "
-          f"(each unroll steps all environments once)."
-      )
+          f"(each unroll steps all environments once).",
+          fields=("batch_size", "num_envs"))
     if batch % self.num_minibatches:
       raise ConfigError(
           f"the batch of {batch} segments ({batch_src}) is not divisible by "
-          f"num_minibatches={self.num_minibatches}."
-      )
+          f"num_minibatches={self.num_minibatches}.",
+          fields=(*batch_fields, "num_minibatches"))
     if (batch // self.num_minibatches) % self.num_microbatches:
       raise ConfigError(
           f"a minibatch of {batch // self.num_minibatches} segments is not divisible by "
           f"num_microbatches={self.num_microbatches}: {batch} segments a batch ({batch_src}) "
-          f"over num_minibatches={self.num_minibatches}."
-      )
+          f"over num_minibatches={self.num_minibatches}.",
+          fields=("num_microbatches", *batch_fields, "num_minibatches"))
     self.ppo  # validates the PPO fields
 
   @property
