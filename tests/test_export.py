@@ -146,7 +146,7 @@ def test_export_policy_in_memory_matches_inference_fn(tmp_path):
   model = trainer.mlp.ActorCritic(net_config, rngs=nnx.Rngs(params=1))
   graphdef, params = nnx.split(model, nnx.Param)
   # Make the policy output large enough to see: scale the last layer up.
-  params["policy"]["out"]["kernel"].value = params["policy"]["out"]["kernel"].value * 300.0
+  params["policy"]["out"]["kernel"][...] = params["policy"]["out"]["kernel"][...] * 300.0
   networks = trainer.Networks(graphdef, net_config)
   data = jax.random.normal(jax.random.PRNGKey(2), (64, OBS_SIZE)) * 2.0 + 1.0
   stats = running_stats.update(running_stats.init(OBS_SIZE), data)
