@@ -117,8 +117,12 @@ _HELP = {
     "obs_stats_before_update": "Fold each rollout's observations into the normaliser before "
                                "that iteration's update, as Brax does (default false: after).",
     "overlap_value_update": "Update the value network on a second thread beside the next "
-                            "rollout (same PPO up to rounding; default on for CheetahRun; one "
-                            "process, one device, no max_grad_norm).",
+                            "rollout (same PPO up to rounding; one process, one device, one "
+                            "environment thread, no max_grad_norm).",
+    "env_threads": "Threads the rollout steps the environments on, each its share in its own "
+                   "program (same PPO up to rounding; must divide num_envs; 0 = as many as "
+                   "usable cores on CPU with one device, at most one per 32 environments; "
+                   "1 = one program).",
     "gae_per_minibatch": "Compute GAE inside each minibatch's loss with the current value "
                          "network, as Brax does (saves a value pass per iteration; default "
                          "false; not with overlap_value_update or num_microbatches > 1).",
@@ -262,9 +266,11 @@ def build_eval_video(config, logdir: str, options):
 
 
 def build_mesh(config):
-  """The ``--mesh`` device mesh, or ``None`` on one device. Checks divisibility first."""
+  """The ``--mesh`` device mesh, or ``None`` on one device. Checks divisibility first, and that
+  ``--env_threads`` fits it."""
   import jax
 
+  from rljax.control.config import resolve_env_threads
   from rljax.sharding import mesh as mesh_lib
   from rljax.sharding import rules
 
@@ -273,6 +279,7 @@ def build_mesh(config):
     return None
   mesh = mesh_lib.make_mesh(mesh_lib.parse_mesh_flag(_MESH.value))
   mesh_lib.check_batch_divisible(config.num_envs, mesh, what="num_envs")
+  resolve_env_threads(config, mesh)  # env_threads > 1 needs one device
   return mesh
 
 

@@ -16,7 +16,7 @@ from brax import envs as brax_envs
 from flax import nnx
 
 from rljax import checkpoint as ckpt
-from rljax import envs, running_stats
+from rljax import envs, running_stats, runtime
 from rljax.control import trainer
 from rljax.control.config import ConfigError, ControlConfig, default_config
 from rljax.models import mlp
@@ -54,12 +54,12 @@ TINY = dict(
          r"overlap_value_update needs max_grad_norm=None .* got max_grad_norm=1.0"),
         (dict(gae_per_minibatch=True, overlap_value_update=True),
          r"gae_per_minibatch needs overlap_value_update=False .* got overlap_value_update=True\.$"),
-        # The hint names the bundled defaults only where they set it.
-        (dict(env="playground/CheetahRun", gae_per_minibatch=True, overlap_value_update=True),
-         r"got overlap_value_update=True \(playground/CheetahRun's defaults turn "
-         r"overlap_value_update on; --overlap_value_update=false turns it off\)\.$"),
-        (dict(env="playground/CheetahRun", overlap_value_update=True, max_grad_norm=1.0),
-         r"got max_grad_norm=1.0 \(playground/CheetahRun's defaults turn overlap_value_update on"),
+        (dict(env_threads=-1), "env_threads must be a non-negative integer, got -1"),
+        (dict(num_envs=96, env_threads=5),
+         r"env_threads=5 must divide num_envs=96 \(each thread steps num_envs / env_threads "
+         r"environments\)\.$"),
+        (dict(env_threads=2, overlap_value_update=True),
+         r"env_threads=2 needs overlap_value_update=False .* got overlap_value_update=True\.$"),
         (dict(gae_per_minibatch=True, num_microbatches=2),
          r"gae_per_minibatch needs num_microbatches=1 .* got num_microbatches=2"),
     ],
@@ -78,8 +78,8 @@ def test_config_rejects_bad_values(kwargs, match):
     (dict(overlap_value_update=True, max_grad_norm=1.0), ("max_grad_norm",)),
     (dict(gae_per_minibatch=True, overlap_value_update=True), ("overlap_value_update",)),
     (dict(gae_per_minibatch=True, num_microbatches=2), ("num_microbatches",)),
-    # The message already says the environment's defaults set it: nothing for the script to add.
-    (dict(env="playground/CheetahRun", overlap_value_update=True, max_grad_norm=1.0), ()),
+    (dict(num_envs=96, env_threads=5), ("env_threads", "num_envs")),
+    (dict(env_threads=2, overlap_value_update=True), ("env_threads", "overlap_value_update")),
     (dict(num_envs=0), ()),  # quotes no name=value
 ])
 def test_config_error_names_the_fields_it_quotes(kwargs, fields):
@@ -149,6 +149,9 @@ def test_script_says_num_evals_1_acts_as_2(tmp_path):
         (["--env=playground/Go1JoystickFlatTerrain", f"--menagerie_path={REPO}"],  # not Menagerie
          f"{REPO} lacks the MuJoCo Menagerie files playground/Go1JoystickFlatTerrain needs"),
         (["--learning_rate=-1"], "learning_rate must be > 0, got -1.0"),
+        (["--env_threads=3"],
+         "error: env_threads=3 must divide num_envs=256 (each thread steps num_envs / env_threads "
+         "environments). Not set by a flag: num_envs=256 (playground/CartpoleBalance's default).\n"),
         (["--mesh=2,1,1"], "mesh data=2 x fsdp=1 x tensor=1 = 2 devices, but 1 device is available"),
         (["--sharding_rules=foo"], "unknown sharding rules preset 'foo'"),
     ],
@@ -545,6 +548,90 @@ def test_overlapped_value_update_equals_one_program_chunk(one_device_mesh, caplo
   assert tr.overlaps_value_update and isinstance(tr.train_chunk, trainer.OverlappedChunk)
   two_devices = types.SimpleNamespace(devices=np.empty((2,), object))
   assert not dataclasses.replace(tr, mesh=two_devices).overlaps_value_update
+
+
+@pytest.mark.parametrize("one_device_mesh", [False, True])
+def test_env_threads_train_the_one_program_chunk(one_device_mesh, caplog):
+  """`ThreadedChunk` (each iteration's rollout as one program per group of the environments,
+  each called from its own thread, then one update program) trains the one-program chunk's
+  PPO. Its rollout programs give the one-program rollout's data bit for bit on CartpoleBalance
+  (whose physics gives the same bits at any batch size): each group draws its rows of the
+  all-environment action noise, and with two unrolls an iteration (batch_size = 2 x num_envs)
+  the groups' segments are ordered as in the one-program batch. Over two chunks of 4
+  iterations the parameters, optimizer state, normaliser and metrics then agree to float
+  rounding (the update's reductions are compiled in another program), the key and counters
+  exactly, and a second threaded run is the first bit for bit. XLA compiles each of its four
+  programs and the evaluation once, ahead of time."""
+  import logging
+  import re
+
+  config = ControlConfig(**dict(TINY, batch_size=32, num_timesteps=2 * 4 * 32 * 8, lr_schedule="linear"))
+  mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",)) if one_device_mesh else None
+  tr, params = trainer.make_trainer(config.replace(env_threads=2), mesh=mesh)
+  assert tr.env_threads == 2 and isinstance(tr.train_chunk, trainer.ThreadedChunk)
+  chunk = tr.train_chunk
+  ts, env_state = tr.init(params)
+  _, key_roll, _ = jax.random.split(ts.key, 3)
+  whole = jax.jit(tr._unrolls, compiler_options=runtime.control_compiler_options())(
+      ts.params, ts.obs_stats, env_state, key_roll)
+  groups = [chunk._rollout(ts.params, ts.obs_stats, g, ts.key, np.int32(i))
+            for i, g in enumerate(chunk._split(env_state))]
+  chex.assert_trees_all_equal(
+      jax.tree.map(lambda *xs: jnp.concatenate(xs), *[g for g, _ in groups]), whole[0])
+  chex.assert_trees_all_equal(
+      jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=2), *[d for _, d in groups]), whole[1])
+
+  a = trainer.train(config.replace(env_threads=1), None, progress=False, mesh=mesh)
+  caplog.clear()
+  jax.config.update("jax_log_compiles", True)
+  try:
+    with caplog.at_level(logging.WARNING, logger="jax"):
+      b = trainer.train(config.replace(env_threads=2), None, progress=False, mesh=mesh)
+  finally:
+    jax.config.update("jax_log_compiles", False)
+  compiled = sorted(m.group(1) for r in caplog.records if (m := re.match(
+      r"Compiling jit\((_split_groups|_group_rollout|_learn_groups|_join|run)\)", r.getMessage())))
+  assert compiled == ["_group_rollout", "_join", "_learn_groups", "_split_groups", "run"]
+  assert b.num_compiled == 5 and a.num_compiled == 2
+  assert int(b.train_state.iteration) == int(a.train_state.iteration) == 8
+  chex.assert_trees_all_close(b.train_state.params, a.train_state.params, atol=1e-5, rtol=1e-5)
+  chex.assert_trees_all_close(b.train_state.opt_state, a.train_state.opt_state, atol=1e-5, rtol=1e-4)
+  chex.assert_trees_all_close(b.train_state.obs_stats, a.train_state.obs_stats, atol=1e-4, rtol=1e-4)
+  chex.assert_trees_all_equal(b.train_state.key, a.train_state.key)
+  assert int(b.train_state.skipped_updates) == int(a.train_state.skipped_updates) == 0
+  for ra, rb in zip(a.history, b.history, strict=True):
+    assert set(ra) == set(rb)
+    for k in ra:
+      if not (k.startswith("timing/") or k == "sps"):
+        np.testing.assert_allclose(rb[k], ra[k], rtol=1e-3, atol=1e-5, err_msg=k)
+  assert a.history[-1]["eval/episode_reward"] != a.history[0]["eval/episode_reward"]
+  # The threads change no result: the same seed gives the same run bit for bit.
+  again = trainer.train(config.replace(env_threads=2), None, progress=False, mesh=mesh)
+  chex.assert_trees_all_equal(again.train_state, b.train_state)
+
+
+def test_env_threads_chosen_for_the_machine(monkeypatch):
+  """``env_threads=0`` resolves to the most threads up to the usable cores that divide
+  ``num_envs`` with at least 32 environments each, on CPU with one device and one process;
+  else 1. A set value stands, but more than one thread on several devices is refused."""
+  from rljax.control.config import resolve_env_threads
+
+  c = ControlConfig(num_envs=256)
+  assert [resolve_env_threads(c, cores=n) for n in (1, 2, 3, 12, 64)] == [1, 2, 2, 8, 8]
+  assert resolve_env_threads(c.replace(num_envs=100, num_minibatches=4), cores=8) == 2  # 50 each
+  assert resolve_env_threads(c.replace(num_envs=48), cores=2) == 1  # 24 each: too few
+  assert resolve_env_threads(c.replace(env_threads=4), cores=1) == 4  # as set
+  assert resolve_env_threads(c.replace(overlap_value_update=True), cores=2) == 1
+  two_devices = types.SimpleNamespace(devices=np.empty((2,), object))
+  assert resolve_env_threads(c, two_devices, cores=2) == 1
+  assert resolve_env_threads(c.replace(env_threads=1), two_devices) == 1
+  with pytest.raises(ConfigError, match=r"^env_threads=2 needs one device in one process; this "
+                     r"run has a mesh of 2 devices, which step their own environments side by "
+                     r"side \(use env_threads=0 or 1\)\.$") as info:
+    resolve_env_threads(c.replace(env_threads=2), two_devices)
+  assert info.value.fields == ("env_threads",)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert resolve_env_threads(c, cores=2) == 1
 
 
 def test_microbatches_train_the_same_policy():

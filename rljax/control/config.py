@@ -5,11 +5,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from typing import Any
+
+import jax
 
 from rljax.models.mlp import BRAX_INIT_STD as _BRAX_INIT_STD
 from rljax.models.mlp import ActorCriticConfig as _ActorCriticConfig
 from rljax.ppo import LossAggregation, PPOConfig
+
+# `ControlConfig.env_threads=0` gives each environment thread at least this many environments:
+# fewer per program leaves the physics' vectorised loops short.
+MIN_ENVS_PER_THREAD = 32
 
 
 class ConfigError(ValueError):
@@ -95,6 +102,22 @@ class ControlConfig:
       floating-point rounding, faster where the physics leaves a core idle (MJX on
       CPU). Needs ``max_grad_norm=None`` (a global clip couples the two networks'
       steps). Used with one process on one device; elsewhere the chunk is one program.
+    env_threads: host threads that step the environments: each iteration's rollout runs as
+      ``env_threads`` copies of one compiled program, each stepping ``num_envs /
+      env_threads`` of the environments on its own thread, followed by one program for the
+      update (`rljax.control.trainer.ThreadedChunk`). XLA:CPU runs one program's MJX physics
+      on one core (a loop body's independent operations run one after another), so on 2
+      cores two threads step about twice as many environments per second (2-core CPU:
+      brax/ant 17.2k -> 35.7k, CheetahRun 49.1k -> 96.4k, CartpoleBalance 0.73M -> 1.38M
+      random-action steps/s; ``benchmarks/HISTORY.md``, stop 45). Each thread draws the
+      same action noise as the one-program rollout gives its rows, so the run is the
+      one-program run's up to floating-point rounding (the physics' at another batch size,
+      the update's in a program of its own). ``0`` (default) chooses: on CPU with one device
+      and one process, the most threads up to the usable cores that divide ``num_envs``
+      with at least `MIN_ENVS_PER_THREAD` environments each (unless
+      ``overlap_value_update``, which then runs instead); elsewhere 1. ``1``: one program
+      per chunk. Must divide ``num_envs``; more than 1 needs one device, one process and
+      ``overlap_value_update=False``.
     gae_per_minibatch: compute GAE inside each minibatch's loss, from the value forward the
       loss makes anyway and the value network as that SGD step finds it (Brax's PPO does
       this), instead of once per iteration before the update from the rollout's value
@@ -141,6 +164,7 @@ class ControlConfig:
   keep_checkpoints: int = 3
   nonfinite: str = "skip"
   overlap_value_update: bool = False
+  env_threads: int = 0
   gae_per_minibatch: bool = False
 
   def __post_init__(self):
@@ -152,7 +176,7 @@ class ControlConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}.")
-    for name in ("batch_size", "episode_length"):
+    for name in ("batch_size", "episode_length", "env_threads"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 0:
         raise ConfigError(f"{name} must be a non-negative integer, got {value!r}.")
@@ -170,21 +194,25 @@ class ControlConfig:
       )
     if self.max_grad_norm is not None and not self.max_grad_norm > 0:
       raise ConfigError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}.")
-    # Where the environment's bundled defaults turn overlap_value_update on, the errors it
-    # causes say so (the user may not have asked for it).
-    hint = (f" ({self.env}'s defaults turn overlap_value_update on; "
-            f"--overlap_value_update=false turns it off)"
-            if _DEFAULTS.get(self.env, {}).get("overlap_value_update") else "")
     if self.overlap_value_update and self.max_grad_norm is not None:
       raise ConfigError(
           f"overlap_value_update needs max_grad_norm=None (a global-norm clip couples the policy "
-          f"and value steps), got max_grad_norm={self.max_grad_norm!r}{hint}.",
-          fields=() if hint else ("max_grad_norm",))
+          f"and value steps), got max_grad_norm={self.max_grad_norm!r}.",
+          fields=("max_grad_norm",))
+    if self.env_threads and self.num_envs % self.env_threads:
+      raise ConfigError(
+          f"env_threads={self.env_threads} must divide num_envs={self.num_envs} (each thread "
+          f"steps num_envs / env_threads environments).", fields=("env_threads", "num_envs"))
+    if self.env_threads > 1 and self.overlap_value_update:
+      raise ConfigError(
+          f"env_threads={self.env_threads} needs overlap_value_update=False (the threads' "
+          f"physics leaves no core for the value update), got overlap_value_update=True.",
+          fields=("env_threads", "overlap_value_update"))
     if self.gae_per_minibatch and self.overlap_value_update:
       raise ConfigError(
           "gae_per_minibatch needs overlap_value_update=False (the overlapped value update "
-          f"trains on advantages computed before it), got overlap_value_update=True{hint}.",
-          fields=() if hint else ("overlap_value_update",))
+          f"trains on advantages computed before it), got overlap_value_update=True.",
+          fields=("overlap_value_update",))
     if self.gae_per_minibatch and self.num_microbatches != 1:
       raise ConfigError(
           f"gae_per_minibatch needs num_microbatches=1 (advantages are whitened over the whole "
@@ -285,6 +313,40 @@ class ControlConfig:
     return dataclasses.replace(self, **changes)
 
 
+def resolve_env_threads(config: ControlConfig, mesh=None, *, cores: int | None = None) -> int:
+  """The threads a run's rollouts step its environments on (`ThreadedChunk` when > 1).
+
+  ``mesh`` is the run's device mesh (a ``jax.sharding.Mesh``; None: one device).
+  ``config.env_threads`` if set. ``0`` chooses: 1 on a non-CPU backend, on a mesh of several
+  devices or in several processes (each device already steps its own environments), or with
+  ``overlap_value_update``; else the largest divisor of ``num_envs`` that is at most
+  ``cores`` (default: the CPUs this process may run on) and leaves each thread at least
+  `MIN_ENVS_PER_THREAD` environments (1 if none). E.g. 256 environments on 2 cores: 2;
+  on 12 cores: 8 (32 each); 100 environments on 8 cores: 2 (50 each).
+
+  Raises:
+    ConfigError: ``env_threads > 1`` on a mesh of several devices or in several processes.
+  """
+  devices = mesh.devices.size if mesh is not None else 1
+  processes = jax.process_count()
+  if config.env_threads:
+    if config.env_threads > 1 and (devices > 1 or processes > 1):
+      where = f"a mesh of {devices} devices" if devices > 1 else f"{processes} processes"
+      raise ConfigError(
+          f"env_threads={config.env_threads} needs one device in one process; this run has "
+          f"{where}, which step their own environments side by side (use env_threads=0 or 1).",
+          fields=("env_threads",))
+    return config.env_threads
+  if (jax.default_backend() != "cpu" or devices > 1 or processes > 1
+      or config.overlap_value_update):
+    return 1
+  if not cores:  # the CPUs this process may use (os.cpu_count() where that is not known)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  fits = [k for k in range(1, cores + 1)
+          if config.num_envs % k == 0 and config.num_envs // k >= MIN_ENVS_PER_THREAD]
+  return max(fits, default=1)
+
+
 # Per-environment defaults: what `experiments/train_control.py --env=NAME` uses before
 # flags override it. Tuned on a 2-core CPU; see benchmarks/HISTORY.md.
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -327,11 +389,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         # this full default (8M steps, seed 0) reached 625 with it and 531 without.
         init_std=_BRAX_INIT_STD,
         policy_init_scale=1.0,
-        # The value update runs beside the next rollout, whose physics keeps one of two
-        # cores busy: default chunk 39.0k against 35.1k steps/s (same session, 2 cores).
-        # Not for ant (14.2k against 15.3k: its physics uses both cores) or CartpoleBalance
-        # (126k either way).
-        overlap_value_update=True,
+        # No overlap_value_update: env_threads (chosen for the machine) keeps every core busy
+        # with the rollout's physics instead (2 cores: default chunk 54.6k steps/s against
+        # 39.5k with the value update overlapped, 34.7k with neither; benchmarks/HISTORY.md,
+        # stop 45).
         num_evals=10,
     ),
     "brax/ant": dict(
