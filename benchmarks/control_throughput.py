@@ -18,6 +18,13 @@ For one environment it runs, back to back:
    and again in a fresh child process (``--physics_limit_only``); the fastest of the four is
    the limit. The two processes have read it 11.3k and 13.1-17.8k steps/s on ant on the same
    machine (benchmarks/HISTORY.md, stop 36), so the higher bounds ``fraction_of_limit``.
+   Where rljax's rollouts step the environments on several threads (``ControlConfig.env_threads``
+   as this machine resolves it, ``rljax_env_threads``), the same program is also timed on that
+   many threads at once, each on its group of the environments: ``physics_limit_threaded_sps``,
+   the limit of a rollout that uses those cores, and ``fraction_of_threaded_limit``.
+
+Both of rljax's runs use its ``env_threads`` (the identical-settings run too: it is how rljax
+runs those settings; Brax's trainer steps all environments in one program per device).
 
 With ``--repeats=N`` steps 1 and 2 run N times each, alternating their order (rljax, Brax, Brax,
 rljax, ...), and the reported figures are medians over the runs.
@@ -33,6 +40,7 @@ below restores it for Brax only. Nothing of Brax's algorithm or settings is chan
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import statistics
@@ -62,6 +70,10 @@ _LIMIT_ONLY = flags.DEFINE_bool(
     "physics_limit_only", False,
     "Measure the physics limit alone (both compiler options), write it to --out as JSON and "
     "exit: what the benchmark runs in a fresh child process.")
+_LIMIT_THREADS = flags.DEFINE_integer(
+    "physics_limit_threads", 1,
+    "With --physics_limit_only: also measure the limit with the environments split over this "
+    "many threads (what the parent passes: rljax's env_threads on this machine).", lower_bound=1)
 _REPEATS = flags.DEFINE_integer(
     "repeats", 1,
     "Run the identical-settings pair this many times, alternating the order (rljax, Brax, "
@@ -235,29 +247,40 @@ def run_brax(env_name: str, s: dict, episode_length: int) -> dict:
 
 
 def physics_limits(env_name: str, num_envs: int, options: dict[str, dict | None],
-                   steps: int = 200) -> dict[str, float]:
+                   steps: int = 200, threads: int = 1) -> dict[str, float]:
   """Steps/s of ``jit(lax.scan(vmap(env.step)))`` with zero actions, compiled once per entry of
   ``options`` (name -> XLA compiler options, ``None`` for XLA's defaults); each the best of 3
-  timed calls from the same reset state."""
+  timed calls from the same reset state.
+
+  With ``threads > 1`` the program is compiled for ``num_envs / threads`` environments and
+  called on ``threads`` threads at once, each on its group of the same reset state, as
+  rljax's `ThreadedChunk` steps its environments (keys ``<option>_threads``): the physics
+  limit of a rollout that uses that many cores.
+  """
   from rljax import envs
 
   env = envs.make(env_name)
   state = jax.jit(jax.vmap(env.reset))(jax.random.split(jax.random.PRNGKey(0), num_envs))
-  zeros = jnp.zeros((num_envs, env.action_size))
+  m = num_envs // threads
+  groups = [jax.tree.map(lambda x: x[g * m:(g + 1) * m], state) for g in range(threads)]
+  zeros = jnp.zeros((m, env.action_size))
 
   def run(state):
     return jax.lax.scan(lambda s, _: (jax.vmap(env.step)(s, zeros), ()), state, None, length=steps)[0]
 
   limits = {}
-  for name, compiler_options in options.items():
-    compiled = jax.jit(run, compiler_options=compiler_options)
-    jax.block_until_ready(compiled(state))
-    best = float("inf")
-    for _ in range(3):
-      t0 = time.perf_counter()
-      jax.block_until_ready(compiled(state))
-      best = min(best, time.perf_counter() - t0)
-    limits[name] = num_envs * steps / best
+  with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+    for name, compiler_options in options.items():
+      compiled = jax.jit(run, compiler_options=compiler_options)
+      call = lambda g: jax.block_until_ready(compiled(g))  # noqa: E731
+      for g in groups:
+        call(g)
+      best = float("inf")
+      for _ in range(3):
+        t0 = time.perf_counter()
+        list(pool.map(call, groups))
+        best = min(best, time.perf_counter() - t0)
+      limits[name if threads == 1 else f"{name}_threads"] = num_envs * steps / best
   return limits
 
 
@@ -268,8 +291,17 @@ def limit_options() -> dict[str, dict | None]:
   return {"default": None, "rljax": runtime.control_compiler_options()}
 
 
-def physics_limits_in_child(env_name: str, num_envs: int) -> dict[str, float]:
-  """:func:`physics_limits` measured by this script in a fresh process
+def all_physics_limits(env_name: str, num_envs: int, threads: int) -> dict[str, float]:
+  """:func:`physics_limits` with both `limit_options`, on one thread and (if ``threads > 1``)
+  on ``threads`` threads."""
+  limits = physics_limits(env_name, num_envs, limit_options())
+  if threads > 1:
+    limits.update(physics_limits(env_name, num_envs, limit_options(), threads=threads))
+  return limits
+
+
+def physics_limits_in_child(env_name: str, num_envs: int, threads: int) -> dict[str, float]:
+  """:func:`all_physics_limits` measured by this script in a fresh process
   (``--physics_limit_only``), which has run nothing else.
 
   Raises:
@@ -279,7 +311,8 @@ def physics_limits_in_child(env_name: str, num_envs: int) -> dict[str, float]:
     out = os.path.join(tmp, "limit.json")
     child = subprocess.run(
         [sys.executable, os.path.abspath(__file__), f"--env={env_name}",
-         f"--num_envs={num_envs}", "--physics_limit_only", f"--out={out}"],
+         f"--num_envs={num_envs}", "--physics_limit_only", f"--physics_limit_threads={threads}",
+         f"--out={out}"],
         capture_output=True, text=True)
     if child.returncode != 0:
       raise RuntimeError(f"the physics-limit child process failed:\n{child.stderr[-2000:]}")
@@ -304,12 +337,13 @@ def import_both_stacks() -> None:
 def main(argv):
   del argv
   if _LIMIT_ONLY.value:
-    limits = physics_limits(_ENV.value, _NUM_ENVS.value, limit_options())
+    limits = all_physics_limits(_ENV.value, _NUM_ENVS.value, _LIMIT_THREADS.value)
     with open(_OUT.value, "w", encoding="utf-8") as f:
       json.dump(limits, f)
     return
   import_both_stacks()
   from rljax import envs
+  from rljax.control import trainer as trainer_lib
   from rljax.control.config import default_config
 
   env_name = _ENV.value
@@ -338,14 +372,22 @@ def main(argv):
   # The limit is the fastest of XLA's default compiler options and the ones rljax compiles its
   # physics with (rljax.runtime.control_compiler_options), so fraction_of_limit cannot exceed 1
   # by a compiler setting alone; and of this process (after the trainers) and a fresh one.
-  here = physics_limits(env_name, _NUM_ENVS.value, limit_options())
-  fresh = physics_limits_in_child(env_name, _NUM_ENVS.value)
-  limit_default = max(here["default"], fresh["default"])
-  limit_rljax = max(here["rljax"], fresh["rljax"])
+  # It is one program, as the issue defines it. rljax's rollouts step the environments on
+  # `threads` threads (ControlConfig.env_threads, as this machine resolves it), whose physics
+  # limit is measured too: the same program on each thread's group, all at once.
+  threads = trainer_lib.resolve_env_threads(default_config(env_name).replace(
+      num_envs=_NUM_ENVS.value))
+  here = all_physics_limits(env_name, _NUM_ENVS.value, threads)
+  fresh = physics_limits_in_child(env_name, _NUM_ENVS.value, threads)
+  best = lambda *keys: max(d[k] for d in (here, fresh) for k in keys)  # noqa: E731
+  limit_default, limit_rljax = best("default"), best("rljax")
   limit = max(limit_default, limit_rljax)
+  limit_threaded = best("default_threads", "rljax_threads") if threads > 1 else limit
+  single = lambda d: max(d["default"], d["rljax"])  # noqa: E731
   print(f"  physics limit: {limit:,.0f} steps/s (XLA defaults {limit_default:,.0f}, "
-        f"rljax's options {limit_rljax:,.0f}; this process {max(here.values()):,.0f}, "
-        f"a fresh one {max(fresh.values()):,.0f})", flush=True)
+        f"rljax's options {limit_rljax:,.0f}; this process {single(here):,.0f}, "
+        f"a fresh one {single(fresh):,.0f}); on {threads} threads: {limit_threaded:,.0f}",
+        flush=True)
   result = dict(
       env=env_name,
       num_envs=_NUM_ENVS.value,
@@ -355,14 +397,17 @@ def main(argv):
       physics_limit_sps=limit,
       physics_limit_default_xla_sps=limit_default,
       physics_limit_rljax_options_sps=limit_rljax,
-      physics_limit_this_process_sps=max(here.values()),
-      physics_limit_fresh_process_sps=max(fresh.values()),
+      physics_limit_this_process_sps=single(here),
+      physics_limit_fresh_process_sps=single(fresh),
+      rljax_env_threads=threads,
+      physics_limit_threaded_sps=limit_threaded,
       rljax_wall_s=ours["wall_s"],
       rljax_compile_s=ours["compile_s"],
       brax_wall_s=brax["wall_s"],
       ratio_vs_brax=ours["sps"] / brax["sps"],
       wall_ratio_vs_brax=brax["wall_s"] / ours["wall_s"],
       fraction_of_limit=default["sps"] / limit if default else None,
+      fraction_of_threaded_limit=default["sps"] / limit_threaded if default else None,
       rljax_gae_per_minibatch=_GAE_PER_MINIBATCH.value,
       rljax_final_reward=ours["final_reward"],
       brax_final_reward=brax["final_reward"],
