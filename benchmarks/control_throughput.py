@@ -343,8 +343,7 @@ def main(argv):
     return
   import_both_stacks()
   from rljax import envs
-  from rljax.control import trainer as trainer_lib
-  from rljax.control.config import default_config
+  from rljax.control.config import default_config, resolve_env_threads
 
   env_name = _ENV.value
   episode_length = envs.default_episode_length(env_name)
@@ -375,7 +374,7 @@ def main(argv):
   # It is one program, as the issue defines it. rljax's rollouts step the environments on
   # `threads` threads (ControlConfig.env_threads, as this machine resolves it), whose physics
   # limit is measured too: the same program on each thread's group, all at once.
-  threads = trainer_lib.resolve_env_threads(default_config(env_name).replace(
+  threads = resolve_env_threads(default_config(env_name).replace(
       num_envs=_NUM_ENVS.value))
   here = all_physics_limits(env_name, _NUM_ENVS.value, threads)
   fresh = physics_limits_in_child(env_name, _NUM_ENVS.value, threads)

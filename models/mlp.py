@@ -200,6 +200,18 @@ def gaussian_entropy(scale: Array) -> Array:
   return jnp.sum(0.5 + _LOG_SQRT_2PI + jnp.log(scale), axis=-1)
 
 
-def sample_pre_tanh(key: Array, loc: Array, scale: Array) -> Array:
-  """Draws pre-tanh actions ``u ~ N(loc, scale)``, ``[..., A]``."""
-  return loc + scale * jax.random.normal(key, loc.shape, loc.dtype)
+def sample_pre_tanh(key: Array, loc: Array, scale: Array, *, num_rows: int | None = None,
+                    first_row: Array | int = 0) -> Array:
+  """Draws pre-tanh actions ``u ~ N(loc, scale)``, ``[..., A]``.
+
+  With ``num_rows`` (``loc`` is ``[B, A]``, ``B <= num_rows``) the standard-normal draw is that
+  of a ``[num_rows, A]`` batch, of which rows ``[first_row, first_row + B)`` (``first_row`` a
+  Python or ``[]`` int32) are used: a group of a larger batch gets the noise the whole batch's
+  draw gives its rows, bit for bit.
+  """
+  if num_rows is None:
+    noise = jax.random.normal(key, loc.shape, loc.dtype)
+  else:
+    noise = jax.lax.dynamic_slice_in_dim(
+        jax.random.normal(key, (num_rows,) + loc.shape[1:], loc.dtype), first_row, loc.shape[0])
+  return loc + scale * noise

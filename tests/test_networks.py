@@ -41,6 +41,22 @@ def test_gaussian_entropy_gold():
   np.testing.assert_allclose(mlp.gaussian_entropy(jnp.array([1.0, math.e])), 3.837877, rtol=1e-6)
 
 
+def test_sample_pre_tanh_groups_draw_the_whole_batch_rows():
+  """``num_rows``/``first_row``: each group of a batch gets, bit for bit, the rows of the
+  whole batch's draw (as `ThreadedChunk`'s rollouts need), with a traced ``first_row`` too;
+  without them the draw is ``loc + scale * N(0, 1)`` of ``loc``'s shape."""
+  key = jax.random.PRNGKey(3)
+  loc = jnp.arange(8 * 2, dtype=jnp.float32).reshape(8, 2) / 10
+  scale = jnp.full((8, 2), 0.5)
+  whole = mlp.sample_pre_tanh(key, loc, scale)
+  np.testing.assert_array_equal(whole, loc + 0.5 * jax.random.normal(key, (8, 2)))
+  parts = [mlp.sample_pre_tanh(key, loc[r:r + 2], scale[r:r + 2], num_rows=8, first_row=r)
+           for r in range(0, 8, 2)]
+  np.testing.assert_array_equal(jnp.concatenate(parts), whole)
+  np.testing.assert_array_equal(jax.jit(lambda g: mlp.sample_pre_tanh(
+      key, loc[4:], scale[4:], num_rows=8, first_row=g))(jnp.int32(4)), whole[4:])
+
+
 def test_actor_critic_shapes_and_initial_std():
   config = mlp.ActorCriticConfig(observation_size=5, action_size=3, policy_hidden=(16,), value_hidden=(8, 8))
   model = mlp.ActorCritic(config, rngs=nnx.Rngs(0))

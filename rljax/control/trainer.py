@@ -282,9 +282,8 @@ class Trainer:
       if group is None:
         u = mlp.sample_pre_tanh(step_key, loc, scale)
       else:
-        noise = jax.random.normal(step_key, (self.config.num_envs,) + loc.shape[1:], loc.dtype)
-        rows = loc.shape[0]
-        u = loc + scale * jax.lax.dynamic_slice_in_dim(noise, group * rows, rows)
+        u = mlp.sample_pre_tanh(step_key, loc, scale, num_rows=self.config.num_envs,
+                                first_row=group * loc.shape[0])
       next_state = self.env.step(state, jnp.tanh(u))
       transition = dict(
           obs=state.obs,
@@ -407,7 +406,7 @@ class Trainer:
 
   def _iteration(self, carry, _):
     ts, env_state = carry
-    _, key_roll, _ = jax.random.split(ts.key, 3)
+    _, key_roll, _ = _iteration_keys(ts.key)
     env_state, data = self._collect(ts.params, ts.obs_stats, env_state, key_roll)
     ts, metrics = self._learn(ts, data)
     return (ts, env_state), metrics
@@ -418,7 +417,7 @@ class Trainer:
     ``ppo_update`` and the non-finite guard. Returns the new state and the iteration's
     metrics (``[]`` each)."""
     c = self.config
-    key, _, key_update = jax.random.split(ts.key, 3)
+    key, _, key_update = _iteration_keys(ts.key)
     batch_stats, stats = self._fold_obs(ts.obs_stats, data)
     batch, finite_rewards, finite_obs = self._batch(ts.params, batch_stats, data)
     state, update_metrics = ppo.ppo_update(
@@ -485,7 +484,7 @@ class Trainer:
   # -- the overlapped value update: three programs per iteration ------------------------
 
   def _ov_rollout(self, params, stats, env_state, key):
-    key, key_roll, key_update = jax.random.split(key, 3)
+    key, key_roll, key_update = _iteration_keys(key)
     env_state, data = self._collect(params, stats, env_state, key_roll)
     return _strong_types(env_state), data, key, key_update
 
@@ -985,7 +984,7 @@ class ThreadedChunk(_HostChunk):
                  for g in range(self.threads))
 
   def _group_rollout(self, params, stats, env_group, key, group):
-    _, key_roll, _ = jax.random.split(key, 3)  # `Trainer._iteration`'s rollout key
+    _, key_roll, _ = _iteration_keys(key)
     env_group, data = self.trainer._unrolls(params, stats, env_group, key_roll, group)
     return _strong_types(env_group), data
 
@@ -1034,6 +1033,13 @@ class ThreadedChunk(_HostChunk):
         iterations.append(metrics)
     ts, env_state, metrics = self._finish(ts, groups, tuple(iterations))
     return (*self.trainer.place(ts, env_state), metrics)
+
+
+def _iteration_keys(key: Array) -> tuple[Array, Array, Array]:
+  """One training iteration's keys from the train state's: ``(next key, rollout key, update
+  key)``. Every chunk (one program, `OverlappedChunk`, `ThreadedChunk`) splits them here, so
+  they draw the same rollouts and minibatches."""
+  return tuple(jax.random.split(key, 3))
 
 
 def _with_sharding(x, sharding) -> jax.ShapeDtypeStruct:
