@@ -16,7 +16,10 @@ same thread settings): ``ratio_bf16_vs_hf_bf16`` compares the two at the same we
 
 rljax samples with its default ``SamplingConfig.decode_segments`` (at 128 new tokens, 4 decode
 loops over caches of ``P + 32 .. P + 128`` slots); ``--decode-segments=1`` times one loop over the
-whole cache, as before that option.
+whole cache, as before that option. Likewise with its default ``SamplingConfig.batch_threads``
+(automatic: on a 2-core CPU batch 32 is sampled as two groups of 16 rows on two host threads,
+smaller batches in one call; ``rljax_batch_threads`` in the JSON); ``--batch-threads=1`` times one
+call for every batch size.
 
 tokens/s = batch_size * new_tokens / wall time of one generate call (prefill included), the median
 of ``--repeats`` calls after one warm-up call. ``rljax_compile_s`` is the first call's wall time
@@ -34,10 +37,11 @@ Usage::
 
 The JSON holds ``results``: one object per batch size with ``batch_size``,
 ``rljax_tokens_per_s``, ``hf_tokens_per_s``, ``ratio_vs_hf``, ``rljax_compile_s``,
-``roofline_tokens_per_s`` (f32 decode bound), ``roofline_e2e_tokens_per_s`` (with prefill) and the
-same for bf16 (``rljax_bf16_tokens_per_s``, ``hf_bf16_tokens_per_s``, ``ratio_bf16_vs_hf_bf16``,
-``ratio_bf16_vs_hf``, ``roofline_bf16_tokens_per_s``, ``roofline_e2e_bf16_tokens_per_s``); plus
-the measured ``machine`` figures, the load average and ``decode_segment_ends``.
+``rljax_batch_threads``, ``roofline_tokens_per_s`` (f32 decode bound),
+``roofline_e2e_tokens_per_s`` (with prefill) and the same for bf16 (``rljax_bf16_tokens_per_s``,
+``hf_bf16_tokens_per_s``, ``ratio_bf16_vs_hf_bf16``, ``ratio_bf16_vs_hf``,
+``roofline_bf16_tokens_per_s``, ``roofline_e2e_bf16_tokens_per_s``); plus the measured
+``machine`` figures, the load average and ``decode_segment_ends``.
 """
 
 from __future__ import annotations
@@ -181,6 +185,9 @@ def main(argv=None) -> int:
   parser.add_argument("--decode-segments", type=int, default=None,
                       help="SamplingConfig.decode_segments (default: automatic; 1: one decode "
                       "loop over the whole cache)")
+  parser.add_argument("--batch-threads", type=int, default=0,
+                      help="SamplingConfig.batch_threads (default 0: automatic; 1: the whole "
+                      "batch in one call)")
   parser.add_argument("--out", default=None, help="write the results as JSON here")
   args = parser.parse_args(argv)
   batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -211,7 +218,8 @@ def main(argv=None) -> int:
     samplers = {
         dtype: sampling.Sampler(model, sampling.SamplingConfig(
             max_new_tokens=r, temperature=1.0, eos_token_ids=(), pad_token_id=0, dtype=dtype,
-            cache_dtype="float32", decode_segments=args.decode_segments))
+            cache_dtype="float32", decode_segments=args.decode_segments,
+            batch_threads=args.batch_threads))
         for dtype in (["float32", "bfloat16"] if args.bf16 else ["float32"])}
     rng = np.random.default_rng(0)
     for b in batch_sizes:
@@ -259,6 +267,7 @@ def main(argv=None) -> int:
           "hf_tokens_per_s": round(hf_tps, 1),
           "ratio_vs_hf": round(rl_tps / hf_tps, 2) if hf_tps == hf_tps else None,
           "rljax_compile_s": round(first - rl_s, 2),
+          "rljax_batch_threads": samplers["float32"].last_timing["batch_threads"],
           **{f"hf_{t}_threads_tokens_per_s": round(v, 1) for t, v in hf_by_threads.items()},
           "roofline_tokens_per_s": round(roofline_tokens_per_s(b, **f32), 1),
           "roofline_e2e_tokens_per_s": round(roofline_e2e_tokens_per_s(b, **f32), 1),
@@ -282,7 +291,7 @@ def main(argv=None) -> int:
       rows.append(row)
       print(json.dumps(row), flush=True)
 
-  header = ["batch", "rljax f32 tok/s", "HF f32 tok/s", "ratio", "compile s",
+  header = ["batch", "rljax f32 tok/s", "HF f32 tok/s", "ratio", "compile s", "rljax threads",
             "roofline f32 (decode / e2e)"]
   if args.bf16:
     header += ["rljax bf16 tok/s", "HF bf16 tok/s", "bf16 ratio (vs HF bf16 / f32)",
@@ -292,7 +301,7 @@ def main(argv=None) -> int:
   for row in rows:
     cells = [row["batch_size"], f"{row['rljax_tokens_per_s']:.0f}",
              f"{row['hf_tokens_per_s']:.0f}", f"{row['ratio_vs_hf']}",
-             f"{row['rljax_compile_s']:.1f}",
+             f"{row['rljax_compile_s']:.1f}", row["rljax_batch_threads"],
              f"{row['roofline_tokens_per_s']:.0f} / {row['roofline_e2e_tokens_per_s']:.0f}"]
     if args.bf16:
       cells += [f"{row['rljax_bf16_tokens_per_s']:.0f}", f"{row['hf_bf16_tokens_per_s']:.0f}",

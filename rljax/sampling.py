@@ -21,6 +21,14 @@ its copies against 152 MB for one loop). So the automatic setting segments on CP
 long responses run 16-23% faster (``benchmarks/HISTORY.md``, stop 32) and memory is host RAM; on
 GPU/TPU, where the cache is what limits the batch and the gain was not measured, it is one loop.
 
+On CPU a large batch is sampled in row groups side by side (:attr:`SamplingConfig.batch_threads`):
+each group's prefill and decode are calls of the same two compiled functions, made from their own
+host threads. One call of XLA:CPU does not keep 2 cores busy (measured, not profiled: two
+half-batch calls side by side beat one whole-batch call at 32 rows). Row ``i`` of the call draws
+its random numbers from ``fold_in(key, i)`` whichever group samples it, so the groups give one
+call's tokens (bit for bit, log-probs included, in the f32 and bf16 runs measured; the tests
+allow float rounding).
+
 Shapes are static: prompt lengths and batch sizes are rounded up to buckets
 (:class:`SamplingConfig`), so a training run compiles each (batch bucket, prompt bucket) pair
 once. Padding rows are dropped from the result.
@@ -40,9 +48,11 @@ temperature-1 full-vocabulary softmax that the PPO trainer scores with.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
+import os
 import time
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -60,6 +70,9 @@ DEFAULT_BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512,
 # tokens, at most MAX_AUTO_SEGMENTS (each segment compiles one more loop body).
 SEGMENT_TOKENS = 32
 MAX_AUTO_SEGMENTS = 4
+# Automatic batch threads (SamplingConfig.batch_threads=0): each host thread samples at least
+# this many rows (smaller groups ran slower than one call in f32 on the 2-core CPUs measured).
+MIN_ROWS_PER_THREAD = 16
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,6 +106,17 @@ class SamplingConfig:
       segment per `SEGMENT_TOKENS` (32) response tokens, at most `MAX_AUTO_SEGMENTS` (4), so
       ``R <= 32`` decodes in one loop and ``R >= 128`` in 4; on other backends 1. Must be in
       ``[1, R]``.
+    batch_threads: how many host threads sample the (bucketed) batch: the rows are split into
+      this many equal groups, each prefilled and decoded by its own call of the same compiled
+      functions from its own thread, so that the calls run side by side on the CPU's cores. One
+      XLA:CPU call does not keep 2 cores busy, so two half-batch calls beat one: batch 32 of
+      the benchmark's model 1.13x faster in f32 and 1.36x in bf16 on 2 cores, while batch 16
+      in f32 ran 6% slower as two groups of 8 (``benchmarks/HISTORY.md``, stop 47). Each row
+      draws the same random numbers whatever its group, so the tokens are those of one call up
+      to float rounding. ``0`` (default) chooses per call (`resolve_batch_threads`): on a CPU
+      backend in one process with the weights on one device, the most threads up to the usable
+      cores that divide the batch bucket with at least `MIN_ROWS_PER_THREAD` (16) rows each;
+      else 1. ``> 1`` must divide the batch bucket.
   """
 
   max_new_tokens: int
@@ -106,6 +130,7 @@ class SamplingConfig:
   dtype: str | None = None
   cache_dtype: str | None = None
   decode_segments: int | None = None
+  batch_threads: int = 0
 
   def __post_init__(self):
     if self.top_k is None:
@@ -127,6 +152,8 @@ class SamplingConfig:
     if self.decode_segments is not None and not 1 <= self.decode_segments <= self.max_new_tokens:
       raise ValueError(f"decode_segments must be None or in [1, max_new_tokens="
                        f"{self.max_new_tokens}], got {self.decode_segments}")
+    if self.batch_threads < 0:
+      raise ValueError(f"batch_threads must be >= 0 (0 = automatic), got {self.batch_threads}")
     object.__setattr__(self, "eos_token_ids", tuple(int(e) for e in self.eos_token_ids))
     for name in ("prompt_buckets", "batch_buckets"):
       b = tuple(int(x) for x in getattr(self, name))
@@ -349,14 +376,62 @@ def sample_logits(logits: jax.Array, u: jax.Array, config: SamplingConfig
   return tok, lp, plain_log_prob(tok)
 
 
-def _uniforms(key: jax.Array, batch: int, steps: int) -> jax.Array:
+def _uniforms(key: jax.Array, batch: int, steps: int, first_row: jax.Array | int = 0
+              ) -> jax.Array:
   """``[batch, steps]`` uniforms in ``(0, 1]``, drawn once per call (no PRNG work in the loop).
 
-  Row ``i`` uses ``fold_in(key, i)``, so its numbers do not depend on the batch bucket.
+  Row ``i`` of the call's whole batch uses ``fold_in(key, i)``, so its numbers depend neither on
+  the batch bucket nor on the thread group (rows ``first_row .. first_row + batch - 1``) that
+  samples it.
   """
-  rows = jnp.arange(batch, dtype=jnp.uint32)
+  rows = jnp.asarray(first_row, jnp.uint32) + jnp.arange(batch, dtype=jnp.uint32)
   draw = lambda i: jax.random.uniform(jax.random.fold_in(key, i), (steps,))  # noqa: E731
   return 1.0 - jax.vmap(draw)(rows)
+
+
+def resolve_batch_threads(config: SamplingConfig, batch: int, params=None, *,
+                          cores: int | None = None) -> int:
+  """How many host threads sample a call whose batch bucket is ``batch`` rows.
+
+  ``config.batch_threads`` if set. ``0`` chooses: 1 on a non-CPU backend, in several processes,
+  or when a leaf of ``params`` (the sampler's weights) lies on several devices (a sharded or
+  replicated sampler already runs on those devices side by side); else the largest divisor of
+  ``batch`` that is at most ``cores`` (default: the CPUs this process may run on) and leaves
+  each thread at least `MIN_ROWS_PER_THREAD` rows (1 if none). E.g. batch 32 on 2 cores: 2;
+  batch 16 on 2 cores: 1; batch 64 on 8 cores: 4.
+
+  Raises:
+    ValueError: ``batch_threads > 1`` that does not divide ``batch``, or with weights on
+      several devices or in several processes.
+  """
+  devices = max((len(x.sharding.device_set) for x in jax.tree.leaves(params)
+                 if isinstance(x, jax.Array)), default=1)
+  processes = jax.process_count()
+  k = config.batch_threads
+  if k:
+    if k > 1 and (devices > 1 or processes > 1):
+      where = f"weights on {devices} devices" if devices > 1 else f"{processes} processes"
+      raise ValueError(f"batch_threads={k} needs the weights on one device in one process; this "
+                       f"sampler has {where} (use batch_threads=0 or 1)")
+    if batch % k:
+      raise ValueError(f"batch_threads={k} must divide the batch bucket {batch} (each thread "
+                       f"samples batch / batch_threads rows; batch_buckets="
+                       f"{config.batch_buckets})")
+    return k
+  if jax.default_backend() != "cpu" or devices > 1 or processes > 1:
+    return 1
+  if not cores:  # the CPUs this process may use (os.cpu_count() where that is not known)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  fits = [k for k in range(1, cores + 1) if batch % k == 0 and batch // k >= MIN_ROWS_PER_THREAD]
+  return max(fits, default=1)
+
+
+def _in_threads(fn, items: Sequence) -> list:
+  """``[fn(x) for x in items]``, each call on its own thread when there are several."""
+  if len(items) == 1:
+    return [fn(items[0])]
+  with concurrent.futures.ThreadPoolExecutor(len(items)) as pool:
+    return list(pool.map(fn, items))
 
 
 # --------------------------------------------------------------------------------------------
@@ -385,8 +460,9 @@ def _record(state: DecodeState, tok, lp, lp1, config: SamplingConfig) -> DecodeS
   )
 
 
-def _prefill(graphdef, params, tokens, mask, num_rows, key, *, config: SamplingConfig
-             ) -> DecodeState:
+def _prefill(graphdef, params, tokens, mask, num_rows, key, first_row, *,
+             config: SamplingConfig) -> DecodeState:
+  """Prefill of rows ``first_row ..`` of a call's batch, ``num_rows`` of them real."""
   model: llm.DecoderLM = nnx.merge(graphdef, params)
   b, p = tokens.shape
   r = config.max_new_tokens
@@ -408,7 +484,7 @@ def _prefill(graphdef, params, tokens, mask, num_rows, key, *, config: SamplingC
       tokens=jnp.full((b, r), config.pad_token_id, jnp.int32),
       log_probs=jnp.zeros((b, r), jnp.float32),
       log_probs_t1=jnp.zeros((b, r), jnp.float32),
-      uniforms=_uniforms(key, b, r),
+      uniforms=_uniforms(key, b, r, first_row),
   )
   tok, lp, lp1 = sample_logits(logits, state.uniforms[:, 0], config)
   return _record(state, tok, lp, lp1, config)
@@ -497,8 +573,9 @@ class Sampler:
     self.params: nnx.State = None  # set by update_params
     self.update_params(params)
     self._prefill, self._decode = _compiled(self.graphdef, config)
-    # Wall times of the last generate call: prefill_s, decode_s, generate_s (compile included
-    # on a call that compiled).
+    # The last generate call's wall times, prefill_s, decode_s and generate_s (compile included
+    # on a call that compiled; with several batch threads, from the first group's start to the
+    # last group's end), and its batch_threads.
     self.last_timing: dict[str, float] = {}
 
   def update_params(self, params: nnx.State) -> None:
@@ -551,16 +628,31 @@ class Sampler:
     b, p = self.shapes_for(n, max(len(x) for x in prompts))
     tokens, mask = left_pad(prompts, p, b, self.config.pad_token_id)
 
+    threads = resolve_batch_threads(self.config, b, self.params)
+    rows = b // threads
+    groups = [(slice(g * rows, (g + 1) * rows), np.int32(min(max(n - g * rows, 0), rows)),
+               np.int32(g * rows)) for g in range(threads)]
+
+    def prefill(group):
+      sl, num_rows, first_row = group
+      state = self._prefill(self.params, tokens[sl], mask[sl], num_rows, key, first_row)
+      return jax.block_until_ready(state)
+
+    def decode(state):
+      state = self._decode(self.params, state._replace(cache=()), state.cache)
+      return jax.device_get((state.tokens, state.lengths, state.log_probs, state.log_probs_t1,
+                             state.step))
+
     t0 = time.perf_counter()
-    state = self._prefill(self.params, tokens, mask, np.int32(n), key)
-    jax.block_until_ready(state.step)
+    states = _in_threads(prefill, groups)
     t1 = time.perf_counter()
-    state = self._decode(self.params, state._replace(cache=()), state.cache)
-    out = jax.device_get((state.tokens, state.lengths, state.log_probs, state.log_probs_t1))
-    num_steps = int(state.step)
+    outs = _in_threads(decode, states)
     t2 = time.perf_counter()
-    self.last_timing = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "generate_s": t2 - t0}
-    toks, lengths, lp, lp1 = (np.asarray(x)[:n] for x in out)
+    self.last_timing = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "generate_s": t2 - t0,
+                        "batch_threads": threads}
+    toks, lengths, lp, lp1 = (np.concatenate([np.asarray(o[i]) for o in outs])[:n]
+                              for i in range(4))
+    num_steps = max(int(o[4]) for o in outs)
     resp_mask = (np.arange(self.config.max_new_tokens)[None, :] < lengths[:, None]).astype(np.int32)
     return SampleOutput(
         tokens=toks, response_mask=resp_mask, log_probs=lp, log_probs_t1=lp1,

@@ -1,5 +1,9 @@
 """Tests for rljax.sampling: parity with transformers generate, EOS, padding, seeds, filters."""
 
+import os
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import jax
@@ -177,6 +181,83 @@ def test_decode_segments_equal_one_loop(models):
   assert ref.lengths[0] == 2 and ref.lengths[2] <= 7  # the EOS case stops rows early
 
 
+def test_batch_threads_equal_one_call(models):
+  """Row groups sampled on threads give one call's tokens and log-probs: sampled and greedy, a
+  group whose last rows are filler and a group of filler only, rows stopped by an EOS at
+  different steps (the result's ``num_steps`` is the longest group's)."""
+  _, model = models["qwen2_tied"]
+  prompts = _prompts([5, 9, 2, 7, 3], seed=4)  # batch bucket 8 (twice the largest bucket, 4)
+  one = sampling.Sampler(model, _config(temperature=0.8, batch_threads=1)).generate(
+      prompts, seed=5)
+  eos = (int(one.tokens[1, 2]), int(one.tokens[4, 5]))
+  refs = []
+  for extra in ({"temperature": 0.8}, {"temperature": 0.8, "eos_token_ids": eos},
+                {"temperature": 0.0, "eos_token_ids": eos}):
+    ref = sampling.Sampler(model, _config(batch_threads=1, **extra)).generate(prompts, seed=5)
+    refs.append(ref)
+    for threads in (2, 4):  # groups of 4 rows (1 real in the second); of 2 (the last: filler)
+      sampler = sampling.Sampler(model, _config(batch_threads=threads, **extra))
+      out = sampler.generate(prompts, seed=5)
+      assert sampler.last_timing["batch_threads"] == threads
+      np.testing.assert_array_equal(out.tokens, ref.tokens)
+      np.testing.assert_array_equal(out.lengths, ref.lengths)
+      np.testing.assert_array_equal(out.prompt_tokens, ref.prompt_tokens)
+      assert out.tokens.shape == (5, 8) and out.num_steps == ref.num_steps
+      np.testing.assert_allclose(out.log_probs, ref.log_probs, atol=1e-6)
+      np.testing.assert_allclose(out.log_probs_t1, ref.log_probs_t1, atol=1e-6)
+  # The sampled EOS case stops rows 1 and 4 early, at different steps.
+  assert refs[1].lengths[1] <= 3 and refs[1].lengths[4] <= 6 and len(set(refs[1].lengths)) > 1
+  np.testing.assert_array_equal(one.tokens, sampling.Sampler(
+      model, _config(temperature=0.8)).generate(prompts, seed=5).tokens)  # 0: one call here
+
+
+def test_resolve_batch_threads(monkeypatch):
+  config = lambda k=0: sampling.SamplingConfig(max_new_tokens=4, batch_threads=k)  # noqa: E731
+  resolve = sampling.resolve_batch_threads
+  # Automatic on CPU: the most threads up to the cores that divide the batch with >= 16 rows.
+  assert [resolve(config(), b, cores=2) for b in (1, 8, 16, 24, 32, 48, 64, 96)] == [
+      1, 1, 1, 1, 2, 2, 2, 2]
+  assert [resolve(config(), b, cores=8) for b in (32, 48, 64, 96, 256)] == [2, 3, 4, 6, 8]
+  assert resolve(config(), 32, cores=1) == 1
+  # Set: used as given, if it divides the batch bucket.
+  assert resolve(config(4), 8, cores=2) == 4 and resolve(config(1), 64, cores=2) == 1
+  with pytest.raises(ValueError, match=r"batch_threads=3 must divide the batch bucket 32"):
+    resolve(config(3), 32)
+  with pytest.raises(ValueError, match="batch_threads must be >= 0"):
+    config(-1)
+  # Not on CPU: one call (an accelerator runs the whole batch at once).
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert resolve(config(), 64, cores=8) == 1 and resolve(config(2), 64) == 2
+
+
+def test_batch_threads_with_weights_on_several_devices():
+  """A sampler whose weights lie on several devices samples in one call (0), and refuses > 1."""
+  code = textwrap.dedent("""
+      import jax, jax.numpy as jnp, numpy as np
+      from rljax import sampling
+      mesh = jax.make_mesh((2,), ("data",))
+      replicated = jax.device_put(jnp.ones((4, 4)), jax.NamedSharding(mesh, jax.P()))
+      params = {"w": replicated}
+      assert sampling.resolve_batch_threads(
+          sampling.SamplingConfig(max_new_tokens=4), 64, params, cores=2) == 1
+      one_device = {"w": jnp.ones((4, 4))}
+      assert sampling.resolve_batch_threads(
+          sampling.SamplingConfig(max_new_tokens=4), 64, one_device, cores=2) == 2
+      try:
+        sampling.resolve_batch_threads(
+            sampling.SamplingConfig(max_new_tokens=4, batch_threads=2), 64, params)
+      except ValueError as e:
+        print("ERROR:", e)
+  """)
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+         "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert ("ERROR: batch_threads=2 needs the weights on one device in one process; this sampler "
+          "has weights on 2 devices (use batch_threads=0 or 1)") in proc.stdout
+
+
 def test_decode_segment_ends(monkeypatch):
   ends = lambda r, n=None: sampling.SamplingConfig(max_new_tokens=r,  # noqa: E731
                                                    decode_segments=n).segment_ends
@@ -312,14 +393,14 @@ def test_decode_donates_the_cache(models):
   _, model = models["llama_gqa"]
   sampler = sampling.Sampler(model, GREEDY)
   tokens, mask = sampling.left_pad(_prompts([3]), 16, 4, PAD)
-  state = sampler._prefill(sampler.params, tokens, mask, 1, jax.random.key(0))
+  state = sampler._prefill(sampler.params, tokens, mask, 1, jax.random.key(0), 0)
   out = sampler._decode(sampler.params, state._replace(cache=()), state.cache)
   assert state.cache[0].k.is_deleted() and state.tokens.is_deleted()  # reused in place
   assert out.cache[0].v.shape == (4, model.config.num_kv_heads, 16 + 8, model.config.head_dim)
   # In segments the prefill's cache holds the first segment's slots (16 + 3) and the decode
   # returns all 16 + 8; the loop state is still donated, the cache (another shape) is not.
   sampler = sampling.Sampler(model, _config(temperature=0.0, decode_segments=3))
-  state = sampler._prefill(sampler.params, tokens, mask, 1, jax.random.key(0))
+  state = sampler._prefill(sampler.params, tokens, mask, 1, jax.random.key(0), 0)
   assert state.cache[0].v.shape[2] == 16 + 3
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # no "donated buffers were not usable"
@@ -359,7 +440,7 @@ def test_bf16_sampling_copy_of_f32_model(models):
   assert sampler.params["value_head"]["kernel"].get_value().dtype == jnp.float32
   assert model.layers[0].attn.q_kernel[...].dtype == jnp.float32  # the model is untouched
   tokens, mask = sampling.left_pad(_prompts([3]), 16, 4, PAD)
-  state = sampler._prefill(sampler.params, tokens, mask, 1, jax.random.key(0))
+  state = sampler._prefill(sampler.params, tokens, mask, 1, jax.random.key(0), 0)
   assert state.cache[0].k.dtype == jnp.float32 and state.cache[0].v.dtype == jnp.float32
   out = sampler.generate(_prompts([5, 3], seed=9), seed=1)
   # The bf16 sampler's log-probs agree with an f32 re-scoring to bf16 precision.
