@@ -231,21 +231,32 @@ def test_resolve_batch_threads(monkeypatch):
 
 
 def test_batch_threads_with_weights_on_several_devices():
-  """A sampler whose weights lie on several devices samples in one call (0), and refuses > 1."""
+  """A sampler whose weights lie on several devices samples in one call (0), and refuses > 1;
+  the same sampler on one device uses 2 threads on 2 cores, with the same tokens."""
   code = textwrap.dedent("""
-      import jax, jax.numpy as jnp, numpy as np
+      import jax, numpy as np
+      from flax import nnx
       from rljax import sampling
-      mesh = jax.make_mesh((2,), ("data",))
-      replicated = jax.device_put(jnp.ones((4, 4)), jax.NamedSharding(mesh, jax.P()))
-      params = {"w": replicated}
-      assert sampling.resolve_batch_threads(
-          sampling.SamplingConfig(max_new_tokens=4), 64, params, cores=2) == 1
-      one_device = {"w": jnp.ones((4, 4))}
-      assert sampling.resolve_batch_threads(
-          sampling.SamplingConfig(max_new_tokens=4), 64, one_device, cores=2) == 2
+      from rljax.models import llm
+      lm = llm.DecoderLM(llm.LMConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                      num_layers=1, num_heads=4, num_kv_heads=2),
+                         rngs=nnx.Rngs(0))
+      config = sampling.SamplingConfig(max_new_tokens=4, batch_buckets=(32,))
+      prompts = np.random.RandomState(0).randint(1, 64, (32, 5)).tolist()
+      one_device = sampling.Sampler(lm, config)
+      replicated = sampling.Sampler(lm, config)
+      mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+      replicated.update_params(jax.device_put(replicated.params, jax.NamedSharding(mesh, jax.P())))
+      assert sampling.resolve_batch_threads(config, 32, one_device.params, cores=2) == 2
+      assert sampling.resolve_batch_threads(config, 32, replicated.params, cores=2) == 1
+      a = one_device.generate(prompts, seed=0)
+      b = replicated.generate(prompts, seed=0)
+      print("THREADS", one_device.last_timing["batch_threads"],
+            replicated.last_timing["batch_threads"], len(jax.devices()))
+      np.testing.assert_array_equal(a.tokens, b.tokens)
       try:
         sampling.resolve_batch_threads(
-            sampling.SamplingConfig(max_new_tokens=4, batch_threads=2), 64, params)
+            sampling.SamplingConfig(max_new_tokens=4, batch_threads=2), 64, replicated.params)
       except ValueError as e:
         print("ERROR:", e)
   """)
@@ -254,6 +265,8 @@ def test_batch_threads_with_weights_on_several_devices():
   proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                         timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  assert f"THREADS {2 if cores >= 2 else 1} 1 2" in proc.stdout
   assert ("ERROR: batch_threads=2 needs the weights on one device in one process; this sampler "
           "has weights on 2 devices (use batch_threads=0 or 1)") in proc.stdout
 
