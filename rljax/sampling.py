@@ -26,8 +26,8 @@ each group's prefill and decode are calls of the same two compiled functions, ma
 host threads. One call of XLA:CPU does not keep 2 cores busy (measured, not profiled: two
 half-batch calls side by side beat one whole-batch call at 32 rows). Row ``i`` of the call draws
 its random numbers from ``fold_in(key, i)`` whichever group samples it, so the groups give one
-call's tokens (bit for bit, log-probs included, in the f32 and bf16 runs measured; the tests
-allow float rounding).
+call's tokens (in the runs measured the tokens were equal, and the log-probs bit for bit on the
+benchmark's 28M model and within 1e-6 on a toy one).
 
 Shapes are static: prompt lengths and batch sizes are rounded up to buckets
 (:class:`SamplingConfig`), so a training run compiles each (batch bucket, prompt bucket) pair
@@ -73,6 +73,10 @@ MAX_AUTO_SEGMENTS = 4
 # Automatic batch threads (SamplingConfig.batch_threads=0): each host thread samples at least
 # this many rows (smaller groups ran slower than one call in f32 on the 2-core CPUs measured).
 MIN_ROWS_PER_THREAD = 16
+# ... and only for weights of at least this many parameters: below it a call takes a few ms and
+# a second thread's overhead (about 2 ms a call) outweighs the gain (stop 47: 0.14M parameters
+# 0.87x, 0.82M 1.20x, 6.6M 1.41-1.65x at batch 32).
+MIN_PARAMS_FOR_THREADS = 500_000
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -113,10 +117,14 @@ class SamplingConfig:
       the benchmark's model 1.13x faster in f32 and 1.36x in bf16 on 2 cores, while batch 16
       in f32 ran 6% slower as two groups of 8 (``benchmarks/HISTORY.md``, stop 47). Each row
       draws the same random numbers whatever its group, so the tokens are those of one call up
-      to float rounding. ``0`` (default) chooses per call (`resolve_batch_threads`): on a CPU
-      backend in one process with the weights on one device, the most threads up to the usable
-      cores that divide the batch bucket with at least `MIN_ROWS_PER_THREAD` (16) rows each;
-      else 1. ``> 1`` must divide the batch bucket.
+      to float rounding: in the runs measured the tokens were equal and the log-probs equal or
+      within 1e-6. ``0`` (default) chooses per call (`resolve_batch_threads`): on a CPU backend
+      in one process, with weights of at least `MIN_PARAMS_FOR_THREADS` (500k) parameters on
+      one device, the most threads up to the usable cores that divide the call's batch bucket
+      (17 prompts: bucket 32) with at least `MIN_ROWS_PER_THREAD` (16) rows each; else 1. A
+      value ``> 1`` is used for every call, without those minimums, and must divide every
+      call's batch bucket (``ValueError`` at `Sampler.generate` otherwise: e.g. 2 for one
+      prompt with the default buckets).
   """
 
   max_new_tokens: int
@@ -393,10 +401,12 @@ def resolve_batch_threads(config: SamplingConfig, batch: int, params=None, *,
                           cores: int | None = None) -> int:
   """How many host threads sample a call whose batch bucket is ``batch`` rows.
 
-  ``config.batch_threads`` if set. ``0`` chooses: 1 on a non-CPU backend, in several processes,
-  or when a leaf of ``params`` (the sampler's weights) lies on several devices (a sharded or
-  replicated sampler already runs on those devices side by side); else the largest divisor of
-  ``batch`` that is at most ``cores`` (default: the CPUs this process may run on) and leaves
+  ``config.batch_threads`` if set, for every call (no minimum of rows or parameters; it must
+  divide ``batch``). ``0`` chooses: 1 on a non-CPU backend, in several processes, when a leaf
+  of ``params`` (the sampler's weights) lies on several devices (a sharded or replicated
+  sampler already runs on those devices side by side), or when ``params`` has fewer than
+  `MIN_PARAMS_FOR_THREADS` (500k) parameters (``None``: not checked); else the largest divisor
+  of ``batch`` that is at most ``cores`` (default: the CPUs this process may run on) and leaves
   each thread at least `MIN_ROWS_PER_THREAD` rows (1 if none). E.g. batch 32 on 2 cores: 2;
   batch 16 on 2 cores: 1; batch 64 on 8 cores: 4.
 
@@ -404,8 +414,9 @@ def resolve_batch_threads(config: SamplingConfig, batch: int, params=None, *,
     ValueError: ``batch_threads > 1`` that does not divide ``batch``, or with weights on
       several devices or in several processes.
   """
-  devices = max((len(x.sharding.device_set) for x in jax.tree.leaves(params)
-                 if isinstance(x, jax.Array)), default=1)
+  leaves = jax.tree.leaves(params)
+  devices = max((len(x.sharding.device_set) for x in leaves if isinstance(x, jax.Array)),
+                default=1)
   processes = jax.process_count()
   k = config.batch_threads
   if k:
@@ -419,6 +430,8 @@ def resolve_batch_threads(config: SamplingConfig, batch: int, params=None, *,
                        f"{config.batch_buckets})")
     return k
   if jax.default_backend() != "cpu" or devices > 1 or processes > 1:
+    return 1
+  if params is not None and sum(int(np.size(x)) for x in leaves) < MIN_PARAMS_FOR_THREADS:
     return 1
   if not cores:  # the CPUs this process may use (os.cpu_count() where that is not known)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -557,6 +570,14 @@ class Sampler:
 
   After a training step, ``sampler.update_params(nnx.state(model, nnx.Param))`` swaps weights
   without recompiling (same shapes, dtypes and shardings).
+
+  Attributes:
+    config: the :class:`SamplingConfig`.
+    params: the weights sampled with (cast to ``config.dtype``).
+    last_timing: the last :meth:`generate` call's wall times in seconds, ``prefill_s``,
+      ``decode_s`` and ``generate_s`` (compilation included on a call that compiled; with
+      several batch threads each phase runs from the first group's start to the last group's
+      end), and the int ``batch_threads`` it used.
   """
 
   def __init__(self, model: llm.DecoderLM, config: SamplingConfig):
@@ -573,10 +594,7 @@ class Sampler:
     self.params: nnx.State = None  # set by update_params
     self.update_params(params)
     self._prefill, self._decode = _compiled(self.graphdef, config)
-    # The last generate call's wall times, prefill_s, decode_s and generate_s (compile included
-    # on a call that compiled; with several batch threads, from the first group's start to the
-    # last group's end), and its batch_threads.
-    self.last_timing: dict[str, float] = {}
+    self.last_timing: dict[str, float | int] = {}
 
   def update_params(self, params: nnx.State) -> None:
     """Replaces the weights (e.g. the actor's after an update), cast to ``config.dtype``."""

@@ -219,6 +219,10 @@ def test_resolve_batch_threads(monkeypatch):
       1, 1, 1, 1, 2, 2, 2, 2]
   assert [resolve(config(), b, cores=8) for b in (32, 48, 64, 96, 256)] == [2, 3, 4, 6, 8]
   assert resolve(config(), 32, cores=1) == 1
+  # ... for weights of at least 500k parameters (a toy model's call is faster in one thread).
+  assert resolve(config(), 32, {"w": np.zeros((1000, 500))}, cores=2) == 2
+  assert resolve(config(), 32, {"w": np.zeros((1000, 499)), "b": jnp.zeros(999)}, cores=2) == 1
+  assert resolve(config(2), 32, {"w": np.zeros(3)}, cores=2) == 2  # set: no minimum
   # Set: used as given, if it divides the batch bucket.
   assert resolve(config(4), 8, cores=2) == 4 and resolve(config(1), 64, cores=2) == 1
   with pytest.raises(ValueError, match=r"batch_threads=3 must divide the batch bucket 32"):
@@ -238,11 +242,11 @@ def test_batch_threads_with_weights_on_several_devices():
       from flax import nnx
       from rljax import sampling
       from rljax.models import llm
-      lm = llm.DecoderLM(llm.LMConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+      lm = llm.DecoderLM(llm.LMConfig(vocab_size=2048, hidden_size=128, intermediate_size=64,
                                       num_layers=1, num_heads=4, num_kv_heads=2),
-                         rngs=nnx.Rngs(0))
+                         rngs=nnx.Rngs(0))  # 0.6M parameters: above the automatic minimum
       config = sampling.SamplingConfig(max_new_tokens=4, batch_buckets=(32,))
-      prompts = np.random.RandomState(0).randint(1, 64, (32, 5)).tolist()
+      prompts = np.random.RandomState(0).randint(1, 2048, (32, 5)).tolist()
       one_device = sampling.Sampler(lm, config)
       replicated = sampling.Sampler(lm, config)
       mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
