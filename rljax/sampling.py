@@ -26,8 +26,9 @@ each group's prefill and decode are calls of the same two compiled functions, ma
 host threads. One call of XLA:CPU does not keep 2 cores busy (measured, not profiled: two
 half-batch calls side by side beat one whole-batch call at 32 rows). Row ``i`` of the call draws
 its random numbers from ``fold_in(key, i)`` whichever group samples it, so the groups give one
-call's tokens (in the runs measured the tokens were equal, and the log-probs bit for bit on the
-benchmark's 28M model and within 1e-6 on a toy one).
+call's tokens up to float rounding (at 16 rows a group the runs measured gave equal tokens, and
+log-probs bit for bit on the benchmark's 28M model and within 1e-6 on a toy one; bf16 groups of
+4 rows rounded differently from one 8-row call and sampled other tokens).
 
 Shapes are static: prompt lengths and batch sizes are rounded up to buckets
 (:class:`SamplingConfig`), so a training run compiles each (batch bucket, prompt bucket) pair
@@ -117,8 +118,7 @@ class SamplingConfig:
       the benchmark's model 1.13x faster in f32 and 1.36x in bf16 on 2 cores, while batch 16
       in f32 ran 6% slower as two groups of 8 (``benchmarks/HISTORY.md``, stop 47). Each row
       draws the same random numbers whatever its group, so the tokens are those of one call up
-      to float rounding: in the runs measured the tokens were equal and the log-probs equal or
-      within 1e-6. ``0`` (default) chooses per call (`resolve_batch_threads`): on a CPU backend
+      to float rounding (see the module docstring). ``0`` (default) chooses per call (`resolve_batch_threads`): on a CPU backend
       in one process, with weights of at least `MIN_PARAMS_FOR_THREADS` (500k) parameters on
       one device, the most threads up to the usable cores that divide the call's batch bucket
       (17 prompts: bucket 32) with at least `MIN_ROWS_PER_THREAD` (16) rows each; else 1. A

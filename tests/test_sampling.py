@@ -203,8 +203,8 @@ def test_batch_threads_equal_one_call(models):
       np.testing.assert_array_equal(out.lengths, ref.lengths)
       np.testing.assert_array_equal(out.prompt_tokens, ref.prompt_tokens)
       assert out.tokens.shape == (5, 8) and out.num_steps == ref.num_steps
-      np.testing.assert_allclose(out.log_probs, ref.log_probs, atol=1e-6)
-      np.testing.assert_allclose(out.log_probs_t1, ref.log_probs_t1, atol=1e-6)
+      np.testing.assert_allclose(out.log_probs, ref.log_probs, atol=1e-5)
+      np.testing.assert_allclose(out.log_probs_t1, ref.log_probs_t1, atol=1e-5)
   # The sampled EOS case stops rows 1 and 4 early, at different steps.
   assert refs[1].lengths[1] <= 3 and refs[1].lengths[4] <= 6 and len(set(refs[1].lengths)) > 1
   np.testing.assert_array_equal(one.tokens, sampling.Sampler(
