@@ -83,6 +83,25 @@ def run_once_compiler_options(backend: str | None = None) -> dict[str, int]:
   return {"xla_backend_optimization_level": 0}
 
 
+def host_threads(n: int, min_per_thread: int, cores: int | None = None) -> int:
+  """How many host threads to split ``n`` items (environments, batch rows) over on CPU.
+
+  The largest divisor ``k`` of ``n`` that is at most ``cores`` and leaves each thread at least
+  ``min_per_thread`` items (``n // k >= min_per_thread``); 1 if none. ``cores`` defaults to the
+  CPUs this process may run on (``os.sched_getaffinity``; ``os.cpu_count()`` where that is not
+  known). E.g. ``(256, 32, 2) -> 2``, ``(256, 32, 12) -> 8``, ``(100, 32, 8) -> 2``,
+  ``(16, 16, 2) -> 1``.
+
+  Used where one XLA:CPU program does not keep the cores busy and one call per group of items,
+  each from its own thread, does (`rljax.control.trainer.ThreadedChunk`, the sampler's
+  ``batch_threads``).
+  """
+  if not cores:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  return max((k for k in range(1, cores + 1) if n % k == 0 and n // k >= min_per_thread),
+             default=1)
+
+
 def is_primary() -> bool:
   """Whether this process writes the run's logs (process 0; always True with one process).
 

@@ -53,7 +53,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import math
-import os
 import time
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -63,6 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rljax import runtime
 from rljax.models import llm
 
 DEFAULT_PROMPT_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -433,10 +433,7 @@ def resolve_batch_threads(config: SamplingConfig, batch: int, params=None, *,
     return 1
   if params is not None and sum(int(np.size(x)) for x in leaves) < MIN_PARAMS_FOR_THREADS:
     return 1
-  if not cores:  # the CPUs this process may use (os.cpu_count() where that is not known)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-  fits = [k for k in range(1, cores + 1) if batch % k == 0 and batch // k >= MIN_ROWS_PER_THREAD]
-  return max(fits, default=1)
+  return runtime.host_threads(batch, MIN_ROWS_PER_THREAD, cores)
 
 
 def _in_threads(fn, items: Sequence) -> list:

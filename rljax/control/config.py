@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from typing import Any
 
 import jax
 
+from rljax import runtime
 from rljax.models.mlp import BRAX_INIT_STD as _BRAX_INIT_STD
 from rljax.models.mlp import ActorCriticConfig as _ActorCriticConfig
 from rljax.ppo import LossAggregation, PPOConfig
@@ -340,11 +340,7 @@ def resolve_env_threads(config: ControlConfig, mesh=None, *, cores: int | None =
   if (jax.default_backend() != "cpu" or devices > 1 or processes > 1
       or config.overlap_value_update):
     return 1
-  if not cores:  # the CPUs this process may use (os.cpu_count() where that is not known)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-  fits = [k for k in range(1, cores + 1)
-          if config.num_envs % k == 0 and config.num_envs // k >= MIN_ENVS_PER_THREAD]
-  return max(fits, default=1)
+  return runtime.host_threads(config.num_envs, MIN_ENVS_PER_THREAD, cores)
 
 
 # Per-environment defaults: what `experiments/train_control.py --env=NAME` uses before
