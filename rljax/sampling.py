@@ -118,13 +118,13 @@ class SamplingConfig:
       the benchmark's model 1.13x faster in f32 and 1.36x in bf16 on 2 cores, while batch 16
       in f32 ran 6% slower as two groups of 8 (``benchmarks/HISTORY.md``, stop 47). Each row
       draws the same random numbers whatever its group, so the tokens are those of one call up
-      to float rounding (see the module docstring). ``0`` (default) chooses per call (`resolve_batch_threads`): on a CPU backend
-      in one process, with weights of at least `MIN_PARAMS_FOR_THREADS` (500k) parameters on
-      one device, the most threads up to the usable cores that divide the call's batch bucket
-      (17 prompts: bucket 32) with at least `MIN_ROWS_PER_THREAD` (16) rows each; else 1. A
-      value ``> 1`` is used for every call, without those minimums, and must divide every
-      call's batch bucket (``ValueError`` at `Sampler.generate` otherwise: e.g. 2 for one
-      prompt with the default buckets).
+      to float rounding (see the module docstring). ``0`` (default) chooses per call
+      (`resolve_batch_threads`): on a CPU backend in one process, with weights of at least
+      `MIN_PARAMS_FOR_THREADS` (500k) parameters on one device, the most threads up to the
+      usable cores that divide the call's batch bucket (17 prompts: bucket 32) with at least
+      `MIN_ROWS_PER_THREAD` (16) rows each; else 1. A value ``> 1`` is used for every call,
+      without those minimums, and must divide every call's batch bucket (``ValueError`` at
+      `Sampler.generate` otherwise: e.g. 2 for one prompt with the default buckets).
   """
 
   max_new_tokens: int

@@ -226,7 +226,7 @@ def test_resolve_batch_threads(monkeypatch):
   # cores=None: the CPUs this process may run on (the rule shared with the control rollout).
   usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
   assert resolve(config(), 1024) == runtime.host_threads(1024, 16) == max(
-      k for k in range(1, usable + 1) if 1024 % k == 0)
+      k for k in range(1, usable + 1) if 1024 % k == 0 and 1024 // k >= 16)
   # Set: used as given, if it divides the batch bucket.
   assert resolve(config(4), 8, cores=2) == 4 and resolve(config(1), 64, cores=2) == 1
   with pytest.raises(ValueError, match=r"batch_threads=3 must divide the batch bucket 32"):
