@@ -3,6 +3,7 @@ options, user errors."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import os
 import sys
@@ -100,6 +101,26 @@ def host_threads(n: int, min_per_thread: int, cores: int | None = None) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
   return max((k for k in range(1, cores + 1) if n % k == 0 and n // k >= min_per_thread),
              default=1)
+
+
+def map_on_threads(fn: Callable, items, pool: concurrent.futures.Executor | None = None
+                   ) -> list:
+  """``[fn(x) for x in items]``, the calls side by side: the first on this thread, each other
+  on a thread of ``pool`` (``None``: a pool of ``len(items) - 1`` threads made for this call).
+
+  Each call should wait for its result (``jax.block_until_ready``) inside ``fn``: so called,
+  XLA's CPU client runs the calls' programs side by side, while programs called from one thread
+  ran one after another (CheetahRun physics at 50k steps/s for two groups of environments,
+  against 97k). Used by `rljax.control.trainer.ThreadedChunk` and the sampler's batch threads.
+  """
+  items = list(items)
+  if len(items) == 1:
+    return [fn(items[0])]
+  if pool is None:
+    with concurrent.futures.ThreadPoolExecutor(len(items) - 1) as own:
+      return map_on_threads(fn, items, own)
+  others = [pool.submit(fn, x) for x in items[1:]]
+  return [fn(items[0])] + [f.result() for f in others]
 
 
 def is_primary() -> bool:

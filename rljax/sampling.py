@@ -49,7 +49,6 @@ temperature-1 full-vocabulary softmax that the PPO trainer scores with.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import math
@@ -436,14 +435,6 @@ def resolve_batch_threads(config: SamplingConfig, batch: int, params=None, *,
   return runtime.host_threads(batch, MIN_ROWS_PER_THREAD, cores)
 
 
-def _in_threads(fn, items: Sequence) -> list:
-  """``[fn(x) for x in items]``, each call on its own thread when there are several."""
-  if len(items) == 1:
-    return [fn(items[0])]
-  with concurrent.futures.ThreadPoolExecutor(len(items)) as pool:
-    return list(pool.map(fn, items))
-
-
 # --------------------------------------------------------------------------------------------
 # The two compiled functions
 # --------------------------------------------------------------------------------------------
@@ -659,9 +650,9 @@ class Sampler:
                              state.step))
 
     t0 = time.perf_counter()
-    states = _in_threads(prefill, groups)
+    states = runtime.map_on_threads(prefill, groups)
     t1 = time.perf_counter()
-    outs = _in_threads(decode, states)
+    outs = runtime.map_on_threads(decode, states)
     t2 = time.perf_counter()
     self.last_timing = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "generate_s": t2 - t0,
                         "batch_threads": threads}

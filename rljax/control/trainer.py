@@ -1021,13 +1021,9 @@ class ThreadedChunk(_HostChunk):
     with concurrent.futures.ThreadPoolExecutor(
         self.threads - 1, thread_name_prefix="rljax-env") as pool:
       for _ in range(self.trainer.iterations_per_chunk):
-        # Each group's call waits for its result on its own thread: so called, XLA's CPU
-        # client runs the groups' programs side by side (called from one thread, they ran
-        # one after another: CheetahRun physics at 50k steps/s for two groups, against 97k).
         run = lambda g: jax.block_until_ready(  # noqa: E731
             self._rollout(ts.params, ts.obs_stats, groups[g], ts.key, indices[g]))
-        others = [pool.submit(run, g) for g in range(1, self.threads)]
-        results = [run(0)] + [f.result() for f in others]
+        results = runtime.map_on_threads(run, range(self.threads), pool)
         groups = tuple(env_group for env_group, _ in results)
         ts, metrics = self._learn(ts, tuple(data for _, data in results))
         iterations.append(metrics)
