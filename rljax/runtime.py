@@ -1,5 +1,5 @@
 """Process-level set-up shared by the experiment scripts: compilation cache, compiler
-options, user errors."""
+options, host threads for calls side by side on CPU, user errors."""
 
 from __future__ import annotations
 
