@@ -41,12 +41,18 @@ The JSON holds ``results``: one object per batch size with ``batch_size``,
 ``roofline_e2e_tokens_per_s`` (with prefill) and the same for bf16 (``rljax_bf16_tokens_per_s``,
 ``hf_bf16_tokens_per_s``, ``ratio_bf16_vs_hf_bf16``, ``ratio_bf16_vs_hf``,
 ``roofline_bf16_tokens_per_s``, ``roofline_e2e_bf16_tokens_per_s``); plus the measured
-``machine`` figures, the load average and ``decode_segment_ends``.
+``machine`` figures, the load average and ``decode_segment_ends``. Unless ``--no-matmul-bound``,
+each result also holds the f32 decode step's split and its matmul bound (`matmul_bound`):
+``rljax_prefill_s``, ``rljax_decode_step_ms``, ``xla_matmul_step_ms``, ``xla_matmul_threads``,
+``torch_matmul_step_ms``, ``decode_step_ms_for_3x_hf`` and ``{xla,torch}_matmul_bound_ratio_vs_hf``:
+the decode's projection matmuls alone, chained over ``R - 1`` steps in XLA and in PyTorch, and the
+ratio to HF that a decode step costing only those matmuls would give with the measured prefill.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import functools
 import json
 import os
@@ -61,8 +67,8 @@ import numpy as np
 import torch
 import transformers
 
-from rljax import sampling
-from rljax.models import hf_io
+from rljax import runtime, sampling
+from rljax.models import hf_io, llm
 
 
 def make_checkpoint(path: str, *, vocab: int, hidden: int, layers: int, heads: int,
@@ -135,6 +141,131 @@ def roofline_e2e_tokens_per_s(batch: int, **geometry) -> float:
   return batch * r / (t_prefill + (r - 1) * decode_step_bound_s(batch, **geometry))
 
 
+def _rljax_projections(model) -> tuple[list[tuple[jax.Array, ...]], jax.Array]:
+  """The decode's projection weights as 2-D f32 matrices, in the model's own layout: per layer
+  ``(q [E, H*D], kv [E, 2*K*D], o [H*D, E], gate_up [E, 2*M], down [M, E])``, and the LM head
+  ``[V, E]`` (the tied embedding) or ``[E, V]``."""
+  layers = []
+  for layer in model.layers:
+    a, m = layer.attn, layer.mlp
+    e = a.q_kernel.shape[0]
+    layers.append((a.q_kernel[...].reshape(e, -1), a.kv_kernel[...].reshape(e, -1),
+                   a.o_kernel[...].reshape(-1, e), m.gate_up_kernel[...].reshape(e, -1),
+                   m.down_kernel[...]))
+  head = model.embed[...] if model.lm_head is None else model.lm_head[...]
+  return layers, head
+
+
+def _matmul_chain(x, layers, head, steps: int, tied: bool):
+  """``steps`` decode steps of only the projection matmuls (`_rljax_projections`) on ``x [B,
+  E]``, each step's input the last one's output, joined by the fewest elementwise operations
+  (adds, one ``tanh`` a layer to keep the values bounded); no attention, norms or sampling. The
+  products are the model's own (``llm._f32_product``: at one row on CPU a split-K matvec)."""
+
+  def mm(x, w):  # the model's own f32 product (at one row on CPU: its split-K matvec)
+    return llm._f32_product("be,ef->bf", x, w)  # pylint: disable=protected-access
+
+  def step(_, h):
+    for q_w, kv_w, o_w, gu_w, down_w in layers:
+      q = mm(h, q_w)
+      kv = mm(h, kv_w)
+      o = mm(q.at[:, :kv.shape[1]].add(kv), o_w)
+      gate_up = mm(h, gu_w)
+      h = jnp.tanh(h + o + mm(gate_up[:, :down_w.shape[0]], down_w))
+    logits = jnp.einsum("be,ve->bv", h, head) if tied else mm(h, head)
+    return h + 1e-3 * logits[:, :h.shape[1]]
+
+  return jax.lax.fori_loop(0, steps, step, x)
+
+
+def xla_matmul_step_s(model, batch: int, steps: int, threads: int, repeats: int) -> float:
+  """Seconds per decode step of the batch's projection matmuls alone in XLA (`_matmul_chain`),
+  the batch split into ``threads`` row groups called side by side as the sampler's
+  ``batch_threads`` does; the median of ``repeats`` runs after a warm-up."""
+  layers, head = _rljax_projections(model)
+  tied = model.lm_head is None
+  chain = jax.jit(functools.partial(_matmul_chain, steps=steps, tied=tied))
+  e = model.config.hidden_size
+  xs = [jnp.full((batch // threads, e), 0.1, jnp.float32) for _ in range(threads)]
+  run = lambda x: jax.block_until_ready(chain(x, layers, head))
+  with concurrent.futures.ThreadPoolExecutor(max(threads - 1, 1)) as pool:
+    runtime.map_on_threads(run, xs, pool)
+    times = []
+    for _ in range(repeats):
+      t = time.perf_counter()
+      runtime.map_on_threads(run, xs, pool)
+      times.append(time.perf_counter() - t)
+  return statistics.median(times) / steps
+
+
+def torch_matmul_step_s(hf_model, batch: int, steps: int, repeats: int) -> float:
+  """The same as `xla_matmul_step_s` with PyTorch (its default threads; MKL on x86) on the HF
+  model's own ``nn.Linear`` weights: per layer q, k, v, o, gate, up and down, then the LM head;
+  one call per matmul, as HF's forward makes them."""
+  body = hf_model.model
+  layers = [(l.self_attn.q_proj.weight, l.self_attn.k_proj.weight, l.self_attn.v_proj.weight,
+             l.self_attn.o_proj.weight, l.mlp.gate_proj.weight, l.mlp.up_proj.weight,
+             l.mlp.down_proj.weight) for l in body.layers]
+  head = hf_model.lm_head.weight
+  lin = torch.nn.functional.linear
+
+  def run():
+    h = torch.full((batch, head.shape[1]), 0.1)
+    with torch.no_grad():
+      for _ in range(steps):
+        for q_w, k_w, v_w, o_w, g_w, u_w, d_w in layers:
+          q, k, v = lin(h, q_w), lin(h, k_w), lin(h, v_w)
+          q[:, :k.shape[1]] += k + v
+          o = lin(q, o_w)
+          h = torch.tanh(h + o + lin(lin(h, g_w) * lin(h, u_w), d_w))
+        h = h + 1e-3 * lin(h, head)[:, :h.shape[1]]
+
+  run()
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    run()
+    times.append(time.perf_counter() - t)
+  return statistics.median(times) / steps
+
+
+def matmul_bound(model, hf_model, sampler, batch: int, new_tokens: int, hf_tps: float,
+                 repeats: int) -> dict[str, float]:
+  """Where rljax's f32 decode step stands against its projection matmuls alone.
+
+  Returns ``rljax_prefill_s`` and ``rljax_decode_step_ms`` (the sampler's last call, as
+  ``Sampler.last_timing`` splits it), ``xla_matmul_step_ms`` (`xla_matmul_step_s`: the faster of
+  one call and the sampler's row groups, ``xla_matmul_threads`` says which), ``torch_matmul_step_ms``
+  (`torch_matmul_step_s`), ``decode_step_ms_for_3x_hf`` (the step time at which this call, with
+  its measured prefill, would run at 3x HF's tokens/s; below 0: the prefill alone is too slow)
+  and ``{xla,torch}_matmul_bound_ratio_vs_hf``: the ratio to HF if each decode step took only
+  those matmuls' time (attention, norms, sampling free), with the measured prefill.
+  """
+  timing = sampler.last_timing
+  prefill_s, threads = timing["prefill_s"], timing["batch_threads"]
+  steps = new_tokens - 1
+  by_threads = {t: xla_matmul_step_s(model, batch, steps, t, repeats)
+                for t in dict.fromkeys((1, threads))}
+  xla_threads = min(by_threads, key=by_threads.get)
+  xla_s = by_threads[xla_threads]
+  torch_s = torch_matmul_step_s(hf_model, batch, steps, repeats)
+  tokens = batch * new_tokens
+  has_hf = hf_tps == hf_tps  # NaN with --skip-hf
+  target_step = (tokens / (3 * hf_tps) - prefill_s) / steps if has_hf else None
+  ratio = lambda step_s: (round(tokens / (prefill_s + steps * step_s) / hf_tps, 2) if has_hf
+                          else None)
+  return {
+      "rljax_prefill_s": round(prefill_s, 3),
+      "rljax_decode_step_ms": round(timing["decode_s"] / steps * 1e3, 2),
+      "xla_matmul_step_ms": round(xla_s * 1e3, 2),
+      "xla_matmul_threads": xla_threads,
+      "torch_matmul_step_ms": round(torch_s * 1e3, 2),
+      "decode_step_ms_for_3x_hf": None if target_step is None else round(target_step * 1e3, 2),
+      "xla_matmul_bound_ratio_vs_hf": ratio(xla_s),
+      "torch_matmul_bound_ratio_vs_hf": ratio(torch_s),
+  }
+
+
 def with_torch_threads(threads: int, fn):
   """Runs ``fn()`` with ``torch.set_num_threads(threads)``, then restores the setting."""
   before = torch.get_num_threads()
@@ -188,6 +319,8 @@ def main(argv=None) -> int:
   parser.add_argument("--batch-threads", type=int, default=0,
                       help="SamplingConfig.batch_threads (default 0: automatic; 1: the whole "
                       "batch in one call)")
+  parser.add_argument("--no-matmul-bound", dest="matmul_bound", action="store_false",
+                      help="skip timing the decode's projection matmuls alone (XLA and torch)")
   parser.add_argument("--out", default=None, help="write the results as JSON here")
   args = parser.parse_args(argv)
   batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -272,6 +405,9 @@ def main(argv=None) -> int:
           "roofline_tokens_per_s": round(roofline_tokens_per_s(b, **f32), 1),
           "roofline_e2e_tokens_per_s": round(roofline_e2e_tokens_per_s(b, **f32), 1),
       }
+      if args.matmul_bound:
+        row.update(matmul_bound(model, hf_model, samplers["float32"], b, r, hf_tps,
+                                args.repeats))
       if "bfloat16" in timed:
         bf_tps = b * r / timed["bfloat16"][1]
         hf_bf16 = hf_rates("bf16_")
@@ -309,6 +445,17 @@ def main(argv=None) -> int:
                 f"{row['roofline_bf16_tokens_per_s']:.0f} / "
                 f"{row['roofline_e2e_bf16_tokens_per_s']:.0f}"]
     print("| " + " | ".join(str(c) for c in cells) + " |")
+  if args.matmul_bound and not args.skip_hf:
+    header = ["batch", "rljax prefill s", "rljax decode step ms", "step ms for 3x HF",
+              "matmuls alone ms: XLA / torch", "ratio if a step were its matmuls: XLA / torch"]
+    print("\n| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+      cells = [row["batch_size"], row["rljax_prefill_s"], row["rljax_decode_step_ms"],
+               row["decode_step_ms_for_3x_hf"],
+               f"{row['xla_matmul_step_ms']} / {row['torch_matmul_step_ms']}",
+               f"{row['xla_matmul_bound_ratio_vs_hf']} / {row['torch_matmul_bound_ratio_vs_hf']}"]
+      print("| " + " | ".join(str(c) for c in cells) + " |")
   if args.out:
     with open(args.out, "w") as f:
       json.dump({"results": rows, "machine": machine, "n_params": n_params, "load_avg":
