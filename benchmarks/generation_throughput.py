@@ -162,7 +162,7 @@ def _matmul_chain(x, layers, head, steps: int, tied: bool):
   (adds, one ``tanh`` a layer to keep the values bounded); no attention, norms or sampling. The
   products are the model's own (``llm._f32_product``: at one row on CPU a split-K matvec)."""
 
-  def mm(x, w):  # the model's own f32 product (at one row on CPU: its split-K matvec)
+  def mm(x, w):
     return llm._f32_product("be,ef->bf", x, w)  # pylint: disable=protected-access
 
   def step(_, h):
