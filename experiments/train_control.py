@@ -109,6 +109,8 @@ _HELP = {
     "gamma": "Discount factor.",
     "gae_lambda": "GAE lambda.",
     "clip_eps": "PPO clip range.",
+    "clip_eps_high": "Upper clip range (DAPO's clip-higher; default clip_eps).",
+    "value_clip_eps": "Clip the value prediction to its old value +- this (PPO2; default off).",
     "init_std": "Policy's pre-tanh std where its scale output is 0; an offset of the std for the "
                 "whole run (default 1.0; Brax's networks, brax/ant and CheetahRun: 0.694).",
     "policy_init_scale": "Variance scale of the policy's output layer (default 0.01: every state "
@@ -152,11 +154,16 @@ def _define_flag(f, help_text):
 def _define_field_flags():
   from rljax.control import apg
   from rljax.control.config import ControlConfig
+  from rljax.ppo import PPOConfig
 
   for f in dataclasses.fields(ControlConfig):
-    if f.name in ("env", "env_kwargs"):
+    if f.name in ("env", "env_kwargs", "ppo"):
       continue
     _FIELD_FLAGS[f.name] = _define_flag(f, _HELP.get(f.name, f"ControlConfig.{f.name}."))
+  for f in dataclasses.fields(PPOConfig):  # the nested ControlConfig.ppo, by field name
+    if f.name == "loss_aggregation":  # control's loss is a token mean (one per env step)
+      continue
+    _FIELD_FLAGS[f.name] = _define_flag(f, _HELP.get(f.name, f"PPOConfig.{f.name}."))
   apg_only = apg.apg_only_fields()
   for f in dataclasses.fields(apg.APGConfig):
     if f.name in apg_only:
@@ -212,7 +219,7 @@ def with_defaults_named(error, overrides, env: str) -> str:
   default).``"""
   from rljax.control.config import default_config
 
-  defaults = dataclasses.asdict(default_config(env))
+  defaults = default_config(env).flat()
   unset = [f"{n}={defaults[n]!r}" for n in error.fields if n not in overrides]
   if not unset:
     return str(error)
@@ -292,6 +299,9 @@ def main(argv):
     distributed.initialize_from_flags()  # no-op for one process outside SLURM
     config = build_config()  # validates before anything compiles
     if _SHOW_CONFIG.value:
+      from rljax import envs
+
+      envs.check_name(config.env)  # a misspelled --env is an error here too
       print(config.to_json())
       if _ALGO.value == "ppo":  # how num_timesteps is run, on stderr: stdout stays JSON
         print(schedule_line(config), file=sys.stderr)
@@ -320,8 +330,15 @@ def main(argv):
     # A refused resume (another config, or --noresume on a run) leaves run_info.json as it was.
     from rljax.control import trainer
 
-    trainer.check_logdir(logdir, config, resume=_RESUME.value,
-                         section="apg" if _ALGO.value == "apg" else "control")
+    if _ALGO.value == "apg":
+      from rljax.control import apg
+
+      saved_run = apg.saved_run(config)
+    else:
+      from rljax.control import checkpointing
+
+      saved_run = checkpointing.saved_run(config)
+    ckpt_lib.check_logdir(logdir, saved_run, resume=_RESUME.value)
     if _RESUME.value:  # a mesh that cannot hold the saved state fails here, before building
       ckpt_lib.check_fits(logdir, num_devices=mesh.size if mesh is not None else 1,
                           device_bytes=ckpt_lib.device_bytes_from_flag(_DEVICE_MEMORY.value))

@@ -26,6 +26,7 @@ import time  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
+from rljax import checkpoint as ckpt_lib  # noqa: E402
 from rljax import run_info, runtime  # noqa: E402
 from rljax.alignment import flags as alignment_flags  # noqa: E402
 
@@ -66,8 +67,8 @@ def main(argv):
     kw = _F.checkpoint_kwargs()
     check_writable(logdir)
     # A refused resume (another config, or --noresume on a run) leaves the folder as it was.
-    pipeline.check_logdir(cfg, logdir, data=data, resume=kw["resume"], stop_after="rm",
-                          flag_names={"rm_steps": "--num_steps", "rm_margin": "--margin"})
+    ckpt_lib.check_logdir(logdir, pipeline.saved_run(cfg, data, stop_after="rm"),
+                          resume=kw["resume"], flag_names={"rm_steps": "--num_steps", "rm_margin": "--margin"})
     run_info.start_run(logdir, cfg, use_wandb=_F.wandb.value)
     runtime.enable_compilation_cache()
     from rljax.alignment import checkpointing

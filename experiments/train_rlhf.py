@@ -229,7 +229,7 @@ def main(argv):
                              batch_sizes={"batch_size": config.batch_size})  # before compiling
     check_writable(logdir)
     # A refused resume (another config, or --noresume on a run) leaves run_info.json as it was.
-    pipeline.check_logdir(config, logdir, data=data, resume=_F.resume.value,
+    ckpt_lib.check_logdir(logdir, pipeline.saved_run(config, data), resume=_F.resume.value,
                           flag_names={"rl.num_steps": "--num_steps"})
     if _F.resume.value:  # a mesh that cannot hold the saved state fails here, before building
       import jax
@@ -244,6 +244,7 @@ def main(argv):
     if _CACHE.value:
       runtime.enable_compilation_cache(_CACHE_DIR.value)
     from rljax.alignment import checkpointing
+    from rljax.nonfinite import NonFiniteHalt
 
     ckpt_kw = dict(checkpoint_every=_CKPT_EVERY.value, keep_checkpoints=_KEEP.value,
                    placement=placement, **_F.checkpoint_kwargs())
@@ -251,7 +252,7 @@ def main(argv):
     def go(sigterm):
       try:
         return report(pipeline, config, logdir, sigterm=sigterm, **ckpt_kw)
-      except checkpointing.rlhf.NonFiniteHalt as e:  # exit status 3, as train_control.py
+      except NonFiniteHalt as e:  # exit status 3, as train_control.py
         print(f"error: {e}", file=sys.stderr)
         return 3
 

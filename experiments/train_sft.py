@@ -23,6 +23,7 @@ import time  # noqa: E402
 
 from absl import app  # noqa: E402
 
+from rljax import checkpoint as ckpt_lib  # noqa: E402
 from rljax import run_info, runtime  # noqa: E402
 from rljax.alignment import flags as alignment_flags  # noqa: E402
 
@@ -57,8 +58,8 @@ def main(argv):
     kw = _F.checkpoint_kwargs()
     check_writable(logdir)
     # A refused resume (another config, or --noresume on a run) leaves the folder as it was.
-    pipeline.check_logdir(cfg, logdir, data=data, resume=kw["resume"], stop_after="sft",
-                          flag_names={"sft_steps": "--num_steps"})
+    ckpt_lib.check_logdir(logdir, pipeline.saved_run(cfg, data, stop_after="sft"),
+                          resume=kw["resume"], flag_names={"sft_steps": "--num_steps"})
     run_info.start_run(logdir, cfg, use_wandb=_F.wandb.value)
     runtime.enable_compilation_cache()
     from rljax.alignment import checkpointing

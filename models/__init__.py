@@ -15,7 +15,7 @@ obs_normalizer_init = running_stats.init
 obs_normalizer_update = running_stats.update
 
 
-# Decoder LMs (Llama/Qwen2), Hugging Face checkpoint and tokenizer IO (issue 3).
+# Decoder LMs (Llama/Qwen2), Hugging Face checkpoint and tokenizer IO.
 from rljax.models import axes
 from rljax.models.hf_io import CheckpointError, load_hf_checkpoint, read_hf_config, save_hf_checkpoint
 from rljax.models.llm import (

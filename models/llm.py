@@ -27,15 +27,28 @@ head, ``D`` head dim, ``M`` MLP hidden size, ``V`` vocabulary. Kernels are ``[in
 values share one kernel ``[E, 2, K, D]`` and gate and up one ``[E, 2, M]`` (fewer, larger matmuls;
 the fused axis of size 2 is never sharded). :mod:`rljax.models.hf_io` maps them to and from the
 Hugging Face tensors.
+
+The pieces the modules are built from live in their own modules, and every public name among them
+is importable from here too (``rljax.models.llm.LMConfig`` etc.):
+
+* :mod:`rljax.models.lm_config`: :class:`LMConfig`, :class:`RopeScaling`,
+  ``SUPPORTED_MODEL_TYPES``, ``SUPPORTED_ROPE_TYPES``;
+* :mod:`rljax.models.kv_cache`: :class:`LayerCache`, :data:`KVCache`, :func:`init_cache`,
+  ``K_CACHE_AXES``, ``V_CACHE_AXES``;
+* :mod:`rljax.models.rope`: :func:`rope_tables`, :func:`apply_rope`;
+* :mod:`rljax.models.positions`: :func:`positions_from_mask`, :func:`segment_positions`,
+  :func:`last_token_index`, :func:`attention_mask_for`;
+* :mod:`rljax.models.dots`: :func:`rljax.models.dots.dot`, the f32-accumulated ``einsum`` with a
+  bf16 backward pass for bf16 operands, that every matmul here uses;
+* :mod:`rljax.models.log_probs`: :func:`token_log_probs`, :func:`sequence_log_probs`.
+
+This module holds the Flax NNX modules: :class:`RMSNorm`, :class:`Attention`, :class:`MLP`,
+:class:`DecoderLayer`, :class:`ScalarHead` and :class:`DecoderLM`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
-from collections.abc import Mapping
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,511 +56,35 @@ import numpy as np
 from flax import nnx
 
 from rljax.models import axes
+from rljax.models.dots import dot
+from rljax.models.kv_cache import K_CACHE_AXES, V_CACHE_AXES, KVCache, LayerCache, init_cache
+from rljax.models.lm_config import (
+    SUPPORTED_MODEL_TYPES,
+    SUPPORTED_ROPE_TYPES,
+    LMConfig,
+    RopeScaling,
+)
+from rljax.models.log_probs import sequence_log_probs, token_log_probs
+from rljax.models.positions import (
+    attention_mask_for,
+    last_token_index,
+    positions_from_mask,
+    segment_positions,
+)
+from rljax.models.rope import apply_rope, rope_tables
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2")
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+__all__ = [
+    "SUPPORTED_MODEL_TYPES", "SUPPORTED_ROPE_TYPES", "LMConfig", "RopeScaling",
+    "K_CACHE_AXES", "V_CACHE_AXES", "KVCache", "LayerCache", "init_cache",
+    "rope_tables", "apply_rope",
+    "positions_from_mask", "segment_positions", "last_token_index", "attention_mask_for",
+    "token_log_probs", "sequence_log_probs",
+    "RMSNorm", "Attention", "MLP", "DecoderLayer", "ScalarHead", "DecoderLM",
+]
 
 # Finite stand-in for -inf in attention scores: a fully masked row (a padding query) then gives
 # a uniform distribution instead of NaN. Same choice as maxtext's DEFAULT_MASK_VALUE.
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-
-
-# --------------------------------------------------------------------------------------------
-# Configuration
-# --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RopeScaling:
-  """RoPE frequency scaling, as in Hugging Face's ``rope_scaling``/``rope_parameters``.
-
-  Attributes:
-    rope_type: ``'linear'`` (every inverse frequency divided by ``factor``) or ``'llama3'``
-      (Llama 3.1: long wavelengths divided by ``factor``, short ones kept, a smooth ramp between).
-    factor: the context extension factor, > 0.
-    low_freq_factor: Llama 3 only: wavelengths above ``original_max / low_freq_factor`` are scaled.
-    high_freq_factor: Llama 3 only: wavelengths below ``original_max / high_freq_factor`` are kept.
-    original_max_position_embeddings: Llama 3 only: the pre-training context length.
-  """
-
-  rope_type: str
-  factor: float
-  low_freq_factor: float = 1.0
-  high_freq_factor: float = 4.0
-  original_max_position_embeddings: int = 8192
-
-  def __post_init__(self):
-    if self.rope_type not in ("linear", "llama3"):
-      raise ValueError(f"rope_type must be 'linear' or 'llama3', got {self.rope_type!r}")
-    if self.factor <= 0:
-      raise ValueError(f"rope scaling factor must be > 0, got {self.factor}")
-    if self.rope_type == "llama3":
-      if not 0 < self.low_freq_factor < self.high_freq_factor:
-        raise ValueError(
-            "llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor, got "
-            f"{self.low_freq_factor}, {self.high_freq_factor}")
-      if self.original_max_position_embeddings <= 0:
-        raise ValueError("original_max_position_embeddings must be > 0")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LMConfig:
-  """Architecture of a Llama/Qwen2 decoder LM. Frozen and hashable (usable as a static jit arg).
-
-  Attributes:
-    model_type: ``'llama'`` or ``'qwen2'``; only used to name the family when saving.
-    vocab_size: ``V``, rows of the embedding table.
-    hidden_size: ``E``, width of the residual stream.
-    intermediate_size: ``M``, SwiGLU hidden width.
-    num_layers: number of decoder blocks.
-    num_heads: ``H``, query heads.
-    num_kv_heads: ``K``, key/value heads; must divide ``num_heads`` (``K == H`` is plain MHA).
-    head_dim: ``D``; ``None`` means ``hidden_size // num_heads``.
-    rms_norm_eps: epsilon inside RMSNorm's square root.
-    rope_theta: RoPE base wavelength.
-    rope_scaling: optional :class:`RopeScaling`.
-    max_position_embeddings: recorded for Hugging Face export; not a hard limit here.
-    qkv_bias: biases on the q/k/v projections (Qwen2: True; Llama: ``attention_bias``).
-    o_bias: bias on the output projection (Llama ``attention_bias``; Qwen2: False).
-    mlp_bias: biases on the three MLP projections (Llama ``mlp_bias``).
-    tie_word_embeddings: the LM head reuses the embedding table.
-    dtype: ``'float32'`` or ``'bfloat16'``, for parameters and activations. Logits, softmax,
-      normalisation statistics and the value/reward heads are always f32.
-    bos_token_id, eos_token_id, pad_token_id: carried for Hugging Face round trips;
-      ``eos_token_id`` is a tuple (possibly empty) because checkpoints may list several.
-  """
-
-  model_type: str = "llama"
-  vocab_size: int
-  hidden_size: int
-  intermediate_size: int
-  num_layers: int
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int | None = None
-  rms_norm_eps: float = 1e-6
-  rope_theta: float = 10_000.0
-  rope_scaling: RopeScaling | None = None
-  max_position_embeddings: int = 2048
-  qkv_bias: bool = False
-  o_bias: bool = False
-  mlp_bias: bool = False
-  tie_word_embeddings: bool = False
-  dtype: str = "float32"
-  bos_token_id: int | None = None
-  eos_token_id: tuple[int, ...] = ()
-  pad_token_id: int | None = None
-
-  def __post_init__(self):
-    if self.model_type not in SUPPORTED_MODEL_TYPES:
-      raise ValueError(
-          f"unsupported model_type {self.model_type!r}; rljax.models supports "
-          f"{SUPPORTED_MODEL_TYPES}")
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                 "num_kv_heads"):
-      if getattr(self, name) <= 0:
-        raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-    if self.num_heads % self.num_kv_heads:
-      raise ValueError(
-          f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
-    if self.head_dim is None:
-      if self.hidden_size % self.num_heads:
-        raise ValueError(
-            f"hidden_size ({self.hidden_size}) is not a multiple of num_heads ({self.num_heads}); "
-            "give head_dim explicitly")
-      object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-    if self.head_dim <= 0 or self.head_dim % 2:
-      raise ValueError(f"head_dim must be a positive even number, got {self.head_dim}")
-    if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
-      raise ValueError("rms_norm_eps and rope_theta must be > 0")
-    if self.dtype not in ("float32", "bfloat16"):
-      raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
-    eos = self.eos_token_id
-    if eos is None:
-      eos = ()
-    elif isinstance(eos, int):
-      eos = (eos,)
-    object.__setattr__(self, "eos_token_id", tuple(int(e) for e in eos))
-
-  @property
-  def num_groups(self) -> int:
-    """``G``: query heads per KV head."""
-    return self.num_heads // self.num_kv_heads
-
-  @property
-  def jnp_dtype(self) -> jnp.dtype:
-    """``dtype`` (the parameter and activation dtype, e.g. ``"bfloat16"``) as a ``jnp.dtype``."""
-    return jnp.dtype(self.dtype)
-
-  def inv_freq(self) -> np.ndarray:
-    """RoPE inverse frequencies ``[D/2]`` (f32), with ``rope_scaling`` applied.
-
-    ``inv_freq_i = theta^(-2i/D)``. Llama 3 scaling (arXiv:2407.21783, Sec. 3.3) maps wavelength
-    ``w = 2 pi / inv_freq`` through: ``w < L/high``: unchanged; ``w > L/low``: divided by
-    ``factor``; in between, ``(1 - s) * f / factor + s * f`` with
-    ``s = (L / w - low) / (high - low)`` and ``L`` the original context length.
-    """
-    d = self.head_dim
-    inv = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
-    inv = inv.astype(np.float32)
-    rs = self.rope_scaling
-    if rs is None:
-      return inv
-    if rs.rope_type == "linear":
-      return (inv / rs.factor).astype(np.float32)
-    old_len = rs.original_max_position_embeddings
-    low_wavelen = old_len / rs.low_freq_factor
-    high_wavelen = old_len / rs.high_freq_factor
-    wavelen = 2 * math.pi / inv
-    scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
-    smooth = (old_len / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
-
-  def num_params(self) -> int:
-    """Parameters of the transformer and LM head (the value/reward heads excluded)."""
-    e, d, m = self.hidden_size, self.head_dim, self.intermediate_size
-    h, k = self.num_heads, self.num_kv_heads
-    attn = e * h * d * 2 + e * k * d * 2
-    attn += (h * d + 2 * k * d) * self.qkv_bias + e * self.o_bias
-    mlp = 3 * e * m + (2 * m + e) * self.mlp_bias
-    per_layer = attn + mlp + 2 * e
-    head = 0 if self.tie_word_embeddings else e * self.vocab_size
-    return self.vocab_size * e + self.num_layers * per_layer + e + head
-
-  # ---- Hugging Face config.json ------------------------------------------------------------
-
-  @classmethod
-  def from_hf_config(cls, hf: Mapping[str, Any], *, dtype: str = "float32") -> "LMConfig":
-    """Builds a config from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x keys).
-
-    Reads ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling`` (4.x).
-
-    Raises:
-      ValueError: for an unsupported ``model_type``, activation, RoPE type, or sliding-window
-        attention, naming the offending key.
-    """
-    model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-      raise ValueError(
-          f"unsupported model_type {model_type!r} in config.json; rljax.models supports "
-          f"{SUPPORTED_MODEL_TYPES}")
-    act = hf.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-      raise ValueError(f"unsupported hidden_act {act!r} (only 'silu' SwiGLU is implemented)")
-    if model_type == "qwen2":
-      layer_types = hf.get("layer_types") or ()
-      if hf.get("use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
-        raise ValueError("unsupported Qwen2 config: use_sliding_window / sliding_attention layers")
-
-    rope = hf.get("rope_parameters") or {}
-    legacy = hf.get("rope_scaling") or {}
-    rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10_000.0))
-    params = rope if rope.get("rope_type", rope.get("type")) not in (None, "default") else legacy
-    rope_type = params.get("rope_type", params.get("type")) or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-      raise ValueError(
-          f"unsupported rope_type {rope_type!r} in config.json; supported: {SUPPORTED_ROPE_TYPES}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-      raise ValueError("unsupported partial_rotary_factor != 1.0")
-    scaling = None
-    if rope_type != "default":
-      scaling = RopeScaling(
-          rope_type=rope_type,
-          factor=float(params["factor"]),
-          low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-          high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-          original_max_position_embeddings=int(
-              params.get("original_max_position_embeddings",
-                         hf.get("max_position_embeddings", 8192))),
-      )
-
-    heads = int(hf["num_attention_heads"])
-    if model_type == "qwen2":
-      qkv_bias, o_bias, mlp_bias = True, False, False
-    else:
-      qkv_bias = o_bias = bool(hf.get("attention_bias", False))
-      mlp_bias = bool(hf.get("mlp_bias", False))
-    return cls(
-        model_type=model_type,
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=hf.get("head_dim") or None,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope_theta),
-        rope_scaling=scaling,
-        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        qkv_bias=qkv_bias,
-        o_bias=o_bias,
-        mlp_bias=mlp_bias,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        dtype=dtype,
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=hf.get("eos_token_id"),
-        pad_token_id=hf.get("pad_token_id"),
-    )
-
-  def to_hf_config(self, *, torch_dtype: str | None = None) -> dict[str, Any]:
-    """The ``config.json`` dict for ``transformers`` (and vLLM) to rebuild this architecture.
-
-    Both the transformers-5 ``rope_parameters`` key and the 4.x ``rope_theta``/``rope_scaling``
-    keys are written, so old and new readers agree.
-    """
-    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.model_type]
-    rope_parameters: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
-    rope_scaling = None
-    if self.rope_scaling is not None:
-      rs = self.rope_scaling
-      rope_scaling = {"rope_type": rs.rope_type, "factor": rs.factor}
-      if rs.rope_type == "llama3":
-        rope_scaling.update(
-            low_freq_factor=rs.low_freq_factor,
-            high_freq_factor=rs.high_freq_factor,
-            original_max_position_embeddings=rs.original_max_position_embeddings)
-      rope_parameters.update(rope_scaling)
-    eos: int | list[int] | None = list(self.eos_token_id) or None
-    if eos is not None and len(eos) == 1:
-      eos = eos[0]
-    cfg: dict[str, Any] = {
-        "architectures": [arch],
-        "model_type": self.model_type,
-        "vocab_size": self.vocab_size,
-        "hidden_size": self.hidden_size,
-        "intermediate_size": self.intermediate_size,
-        "num_hidden_layers": self.num_layers,
-        "num_attention_heads": self.num_heads,
-        "num_key_value_heads": self.num_kv_heads,
-        "head_dim": self.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": self.rms_norm_eps,
-        "max_position_embeddings": self.max_position_embeddings,
-        "rope_theta": self.rope_theta,
-        "rope_scaling": rope_scaling,
-        "rope_parameters": rope_parameters,
-        "tie_word_embeddings": self.tie_word_embeddings,
-        "bos_token_id": self.bos_token_id,
-        "eos_token_id": eos,
-        "pad_token_id": self.pad_token_id,
-        "use_cache": True,
-        "torch_dtype": torch_dtype or self.dtype,
-        "dtype": torch_dtype or self.dtype,
-    }
-    if self.model_type == "llama":
-      if self.qkv_bias != self.o_bias:
-        raise ValueError("Llama export needs qkv_bias == o_bias (HF has one attention_bias flag)")
-      cfg.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
-    else:
-      if not self.qkv_bias or self.o_bias or self.mlp_bias:
-        raise ValueError("Qwen2 export needs qkv_bias=True, o_bias=False, mlp_bias=False")
-      cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_layers)
-    return cfg
-
-
-# --------------------------------------------------------------------------------------------
-# KV cache
-# --------------------------------------------------------------------------------------------
-
-
-class LayerCache(NamedTuple):
-  """One layer's keys ``k [B, K, D, S]`` and values ``v [B, K, S, D]``, in the compute dtype.
-
-  Keys are stored slot-minor so that both attention products are plain ``[., D] x [D, S]`` and
-  ``[., S] x [S, D]`` matmuls per (batch, KV head); on CPU the transposed-operand form of the
-  score product was nearly twice as slow.
-  """
-
-  k: jax.Array
-  v: jax.Array
-
-
-KVCache = tuple[LayerCache, ...]
-K_CACHE_AXES: axes.LogicalAxes = (axes.BATCH, axes.KV_HEADS, axes.HEAD_DIM, axes.LENGTH)
-V_CACHE_AXES: axes.LogicalAxes = (axes.BATCH, axes.KV_HEADS, axes.LENGTH, axes.HEAD_DIM)
-
-
-def init_cache(config: LMConfig, batch_size: int, num_slots: int, dtype=None) -> KVCache:
-  """Zero KV cache with ``num_slots`` positions per sequence, one :class:`LayerCache` per layer.
-
-  ``dtype`` defaults to the model's compute dtype. An f32 cache for a bf16 model makes the
-  attention products f32 (faster than bf16 batched matmuls on CPU, twice the cache memory).
-  """
-  b, k, d = batch_size, config.num_kv_heads, config.head_dim
-  dt = config.jnp_dtype if dtype is None else jnp.dtype(dtype)
-  return tuple(
-      LayerCache(jnp.zeros((b, k, d, num_slots), dt), jnp.zeros((b, k, num_slots, d), dt))
-      for _ in range(config.num_layers))
-
-
-# --------------------------------------------------------------------------------------------
-# Small pure functions
-# --------------------------------------------------------------------------------------------
-
-
-def positions_from_mask(mask: jax.Array) -> jax.Array:
-  """Position ids ``cumsum(mask) - 1`` (clipped at 0 on leading padding), ``[B, T]`` int32.
-
-  With left padding ``[0, 0, 1, 1, 1]`` this is ``[0, 0, 0, 1, 2]``: the first real token is at
-  position 0, whatever the amount of padding.
-  """
-  return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
-
-
-def segment_positions(segment_ids: jax.Array) -> jax.Array:
-  """Positions that restart at 0 where ``segment_ids [B, T]`` changes, ``[B, T]`` int32.
-
-  ``[1, 1, 1, 2, 2, 0] -> [0, 1, 2, 0, 1, 0]`` (a packed row: two segments, then padding).
-  """
-  t = segment_ids.shape[-1]
-  idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segment_ids.shape)
-  change = jnp.concatenate([jnp.ones_like(segment_ids[..., :1], bool),
-                            segment_ids[..., 1:] != segment_ids[..., :-1]], axis=-1)
-  start = jax.lax.cummax(jnp.where(change, idx, 0), axis=segment_ids.ndim - 1)
-  return idx - start
-
-
-def last_token_index(mask: jax.Array) -> jax.Array:
-  """Index of the last non-padding token in each row of ``mask [B, T]``, ``[B]`` int32.
-
-  Works for left and right padding: ``[1, 1, 1, 0, 0] -> 2``, ``[0, 1, 1, 1, 0] -> 3``.
-  A row without any real token gives ``T - 1``.
-  """
-  t = mask.shape[-1]
-  return (t - 1 - jnp.argmax(mask[..., ::-1].astype(jnp.int32), axis=-1)).astype(jnp.int32)
-
-
-def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-  """``cos, sin [B, T, D/2]`` (f32) of angles ``positions * inv_freq``.
-
-  ``positions [B, T]`` (int; left-padded rows use ``cumsum(mask) - 1``), ``inv_freq [D/2]``
-  from :meth:`LMConfig.inv_freq` (Su et al. 2021, RoFormer).
-  """
-  angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-  return jnp.cos(angles), jnp.sin(angles)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-  """Rotates ``x [B, T, N, D]`` in the half-split convention of Hugging Face's ``rotate_half``.
-
-  ``[x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]`` with ``x1, x2`` the two halves of ``D``.
-  Computed in f32, returned in ``x.dtype``.
-  """
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  c, s = cos[:, :, None, :], sin[:, :, None, :]
-  return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
-
-
-def attention_mask_for(
-    key_mask: jax.Array, num_queries: int, query_offset: jax.Array | int = 0) -> jax.Array:
-  """Boolean ``[B, T, S]`` mask: key ``s`` is visible to query ``t`` iff it is valid and causal.
-
-  Query ``t`` sits at slot ``query_offset + t``; keys at slots ``s <= query_offset + t`` with
-  ``key_mask[b, s]`` set are visible. Without a cache, ``query_offset = 0`` and ``S = T``.
-  """
-  s = key_mask.shape[-1]
-  q_slot = query_offset + jnp.arange(num_queries, dtype=jnp.int32)[:, None]
-  causal = jnp.arange(s, dtype=jnp.int32)[None, :] <= q_slot
-  return causal[None] & key_mask.astype(bool)[:, None, :]
-
-
-def _dot(equation: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
-  """``einsum`` accumulated in f32 and returned in ``out_dtype`` (default ``x.dtype``).
-
-  For bf16 operands this is both more accurate and, on CPU, about twice as fast as a dot with a
-  bf16 result (XLA then uses the native bf16 dot-product instructions). When both operands are
-  bf16 the backward pass is bf16 too (:func:`_dot_low_precision`).
-  """
-  out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-  if x.dtype == w.dtype and x.dtype != jnp.float32:
-    return _dot_low_precision(equation, out_dtype, x, w)
-  return _f32_product(equation, x, w).astype(out_dtype)
-
-
-def _f32_product(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
-  """``einsum(equation, x, w)`` accumulated and returned in f32: by `_split_k_matvec` where
-  `_is_cpu_matvec` allows, else by one einsum."""
-  if _is_cpu_matvec(equation, x, w):
-    return _split_k_matvec(x, w)
-  return jnp.einsum(equation, x, w, preferred_element_type=jnp.float32)
-
-
-def _is_cpu_matvec(equation: str, x: jax.Array, w: jax.Array) -> bool:
-  """Whether ``einsum(equation, x, w)`` is a matrix-vector product that `_split_k_matvec` computes:
-  on one CPU device (no mesh whose sharding the split could cross), ``x`` holds one row (all its
-  axes but the last are 1), the contracted index is ``x``'s last axis and ``w``'s first, of even
-  size, and the output is ``x``'s other axes followed by ``w``'s in order (true of the model's
-  projections and untied LM head, e.g. ``"BTE,EHD->BTHD"`` and ``"...E,EV->...V"``, where a
-  leading ``...`` on ``x`` and the output stands for ``x``'s leading axes; not of the tied head,
-  which contracts the embedding's last axis)."""
-  if (jax.default_backend() != "cpu" or jax.device_count() != 1
-      or math.prod(x.shape[:-1]) != 1 or x.shape[-1] % 2):
-    return False
-  try:
-    lhs, out = equation.replace(" ", "").split("->")
-    xs, ws = lhs.split(",")
-  except ValueError:
-    return False
-  ellipsis = xs.startswith("...") and out.startswith("...")
-  if ellipsis:
-    xs, out = xs[3:], out[3:]
-  if not xs or "." in xs + ws + out or len(ws) != w.ndim:
-    return False
-  if len(xs) > x.ndim if ellipsis else len(xs) != x.ndim:
-    return False
-  return xs[-1] == ws[0] and out == xs[:-1] + ws[1:]
-
-
-def _split_k_matvec(x: jax.Array, w: jax.Array) -> jax.Array:
-  """``x [1.., K] @ w [K, ...]`` (f32 accumulation) as two half-``K`` products summed, shaped
-  like the einsum: ``[1.., *w.shape[1:]]`` f32.
-
-  Decoding one sequence streams every weight once per token through matrix-vector products.
-  XLA:CPU runs ``[1, K] x [K, N]`` at about 24 GB/s on 2 cores (PyTorch's reaches 37); the same
-  product as a batched dot over two halves of ``K`` (one per core) streamed at 36-38 GB/s. In the
-  generation benchmark's batch-1 decode (a 28M-parameter Qwen2) the products took 28% less time
-  (profiled). Measured on 2 cores only. Sums in another order than one dot (differences of about
-  1e-7 relative).
-  """
-  k = w.shape[0]
-  halves = jnp.einsum("prk,pkn->prn", x.reshape(2, 1, k // 2), w.reshape(2, k // 2, -1),
-                      preferred_element_type=jnp.float32)
-  return jnp.sum(halves, axis=0).reshape(x.shape[:-1] + w.shape[1:])
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _dot_low_precision(equation: str, out_dtype, x: jax.Array, w: jax.Array) -> jax.Array:
-  """:func:`_dot` for two operands of one low-precision dtype (bf16), with a backward pass whose
-  dots also take low-precision operands (the cotangent is cast to it; accumulation is f32), as
-  PyTorch's bf16 autocast does.
-
-  Plain autodiff would carry an f32 cotangent (of the ``astype`` or of an f32 result) into the
-  backward dots, which then run in f32 at half the speed. ``equation`` is ``"a,b->c"`` without
-  an index that is summed inside one operand alone (true of every dot in this model), so the
-  transposes are ``dx = einsum("c,b->a", g, w)`` and ``dw = einsum("a,c->b", x, g)``.
-  """
-  return _f32_product(equation, x, w).astype(out_dtype)
-
-
-def _dot_low_precision_fwd(equation, out_dtype, x, w):
-  return _dot_low_precision(equation, out_dtype, x, w), (x, w)
-
-
-def _dot_low_precision_bwd(equation, out_dtype, residuals, g):
-  del out_dtype
-  x, w = residuals
-  inputs, out = equation.split("->")
-  a, b = inputs.split(",")
-  g = g.astype(x.dtype)
-  dx = jnp.einsum(f"{out},{b}->{a}", g, w, preferred_element_type=jnp.float32)
-  dw = jnp.einsum(f"{a},{out}->{b}", x, g, preferred_element_type=jnp.float32)
-  return dx.astype(x.dtype), dw.astype(w.dtype)
-
-
-_dot_low_precision.defvjp(_dot_low_precision_fwd, _dot_low_precision_bwd)
 
 
 def _param(rngs: nnx.Rngs, shape, dtype, names: axes.LogicalAxes, *, init: str = "normal",
@@ -624,8 +161,8 @@ class Attention(nnx.Module):
     first ``kv_limit`` slots when that static bound is given (prefill: later slots are empty).
     """
     b, t, _ = x.shape
-    q = _dot("BTE,EHD->BTHD", x, self.q_kernel[...])
-    kv = _dot("BTE,ECKD->BTCKD", x, self.kv_kernel[...])
+    q = dot("BTE,EHD->BTHD", x, self.q_kernel[...])
+    kv = dot("BTE,ECKD->BTCKD", x, self.kv_kernel[...])
     if self.q_bias is not None:
       q = q + self.q_bias[...]
       kv = kv + self.kv_bias[...]
@@ -656,14 +193,14 @@ class Attention(nnx.Module):
       # Dot operands and results are kept in the order XLA's batched matmul produces
       # ([batch dims, lhs free, rhs free]), with the slot axis S minor, so no large transposes
       # are inserted on CPU (with T = 1 the two swaps below are free reshapes).
-      scores = _dot("BKTGD,BKDS->BKTGS", qg, k, out_dtype=jnp.float32)
+      scores = dot("BKTGD,BKDS->BKTGS", qg, k, out_dtype=jnp.float32)
       scores = jnp.where(mask[:, None, :, None, :], scores, _MASK_VALUE)
       probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-      out = _dot("BKTGS,BKSD->BKTGD", probs, v)
+      out = dot("BKTGS,BKSD->BKTGD", probs, v)
     out = out.astype(x.dtype)
     out = jnp.swapaxes(out, 1, 2).reshape(b, t, -1)                 # [B, T, H*D]
     o_kernel = self.o_kernel[...]
-    y = _dot("BTF,FE->BTE", out, o_kernel.reshape(-1, o_kernel.shape[-1]))
+    y = dot("BTF,FE->BTE", out, o_kernel.reshape(-1, o_kernel.shape[-1]))
     if self.o_bias is not None:
       y = y + self.o_bias[...]
     return y, cache
@@ -684,26 +221,25 @@ def _one_step_attention(qg: jax.Array, old: LayerCache, k_new: jax.Array, v_new:
     ``[B, K, 1, G, D]`` f32: the attention over the cache with this step written (one softmax
     over the same scores, summed in another order), including a row that sees no slot (the
     uniform mean of the ``S`` updated values). Computed this way the updated cache feeds only the
-    decode loop's output. When the attention read it too, XLA:CPU (batch 1) duplicated each
-    cache write into two fusions and copied every layer's keys and values four times a step;
-    this way it copies them twice, and a batch-1 decode step of the generation benchmark's model
-    ran about 6% faster. With several rows the plain path has no such copies and this one would
-    add them, so `Attention` takes it for one row on CPU only.
+    decode loop's output, so that XLA:CPU (batch 1) copies each layer's keys and values fewer
+    times a step than when the attention reads the updated cache too. With several rows the
+    plain path has no such copies and this one would add them, so `Attention` takes it for one
+    row on CPU only.
   """
   s = old.v.shape[2]
   is_new = jnp.arange(s, dtype=jnp.int32) == jnp.clip(cache_index, 0, s - 1)  # [S]
-  scores_old = _dot("BKTGD,BKDS->BKTGS", qg, old.k, out_dtype=jnp.float32)
+  scores_old = dot("BKTGD,BKDS->BKTGS", qg, old.k, out_dtype=jnp.float32)
   scores_old = jnp.where(mask[:, None, :, None, :], scores_old, _MASK_VALUE)
   # The slot being overwritten holds a stale entry: no weight at all, even in a row that sees
   # nothing (where the masked scores tie and the plain path averages the S updated slots).
   scores_old = jnp.where(is_new, -jnp.inf, scores_old)
-  scores_new = _dot("BKTGD,BKDN->BKTGN", qg, k_new, out_dtype=jnp.float32)  # [B, K, 1, G, 1]
+  scores_new = dot("BKTGD,BKDN->BKTGN", qg, k_new, out_dtype=jnp.float32)  # [B, K, 1, G, 1]
   new_visible = jnp.any(mask & is_new, axis=-1)                               # [B, 1]
   scores_new = jnp.where(new_visible[:, None, :, None, None], scores_new, _MASK_VALUE)
   probs = jax.nn.softmax(jnp.concatenate([scores_old, scores_new], axis=-1), axis=-1)
   probs = probs.astype(old.v.dtype)
-  return (_dot("BKTGS,BKSD->BKTGD", probs[..., :s], old.v, out_dtype=jnp.float32)
-          + _dot("BKTGN,BKND->BKTGD", probs[..., s:], v_new, out_dtype=jnp.float32))
+  return (dot("BKTGS,BKSD->BKTGD", probs[..., :s], old.v, out_dtype=jnp.float32)
+          + dot("BKTGN,BKND->BKTGD", probs[..., s:], v_new, out_dtype=jnp.float32))
 
 
 class MLP(nnx.Module):
@@ -725,12 +261,12 @@ class MLP(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """``x [B, T, E]`` -> ``[B, T, E]`` in the compute dtype."""
-    gate_up = _dot("BTE,ECM->BTCM", x, self.gate_up_kernel[...])
+    gate_up = dot("BTE,ECM->BTCM", x, self.gate_up_kernel[...])
     if self.gate_up_bias is not None:
       gate_up = gate_up + self.gate_up_bias[...]
     h = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
     h = axes.constrain(h, (axes.BATCH, axes.LENGTH, axes.MLP))
-    y = _dot("BTM,ME->BTE", h, self.down_kernel[...])
+    y = dot("BTM,ME->BTE", h, self.down_kernel[...])
     if self.down_bias is not None:
       y = y + self.down_bias[...]
     return y
@@ -866,8 +402,8 @@ class DecoderLM(nnx.Module):
   def logits(self, hidden: jax.Array) -> jax.Array:
     """LM head: ``[..., E] -> [..., V]`` f32 (f32 accumulation also for bf16 weights)."""
     if self.lm_head is None:
-      return _dot("...E,VE->...V", hidden, self.embed[...], out_dtype=jnp.float32)
-    return _dot("...E,EV->...V", hidden, self.lm_head[...], out_dtype=jnp.float32)
+      return dot("...E,VE->...V", hidden, self.embed[...], out_dtype=jnp.float32)
+    return dot("...E,EV->...V", hidden, self.lm_head[...], out_dtype=jnp.float32)
 
   def values(self, hidden: jax.Array) -> jax.Array:
     """Value (critic) head: one f32 scalar per token, ``[B, T, E] -> [B, T]``."""
@@ -887,32 +423,3 @@ class DecoderLM(nnx.Module):
                                    segment_ids=segment_ids)
     return self.logits(hidden)
 
-
-def token_log_probs(logits: jax.Array, tokens: jax.Array, *, temperature: float = 1.0) -> jax.Array:
-  """``log softmax(logits / temperature)[tokens]``, f32, without materialising the log-softmax.
-
-  Args:
-    logits: ``[..., V]``.
-    tokens: ``[...]`` int ids.
-  """
-  logits = logits.astype(jnp.float32)
-  if temperature != 1.0:
-    logits = logits / temperature
-  picked = jnp.take_along_axis(logits, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
-  return picked - jax.nn.logsumexp(logits, axis=-1)
-
-
-def sequence_log_probs(model: DecoderLM, tokens: jax.Array, attention_mask: jax.Array,
-                       *, temperature: float = 1.0) -> jax.Array:
-  """Log-probs of each token given its prefix: ``[B, T]`` f32, entry ``t`` scores ``tokens[:, t]``.
-
-  ``tokens [B, T]`` int32 and ``attention_mask [B, T]`` (1 for real tokens, left padding 0).
-
-  Entries without a real previous token (position 0, the first real token after left padding)
-  and padding entries are 0. This is what a trainer uses to re-score sampled responses (policy,
-  reference).
-  """
-  logits = model(tokens, attention_mask)
-  lp = token_log_probs(logits[:, :-1], tokens[:, 1:], temperature=temperature)
-  mask = attention_mask.astype(bool)
-  return jnp.pad(jnp.where(mask[:, 1:] & mask[:, :-1], lp, 0.0), ((0, 0), (1, 0)))

@@ -26,8 +26,7 @@ def swish(x: Array) -> Array:
 
   Equal to ``flax.nnx.swish``. Its derivative is written through the forward's own
   outputs, ``s + y * (1 - s)`` with ``s = sigmoid(x)`` and ``y = x * s``, so the
-  backward pass reuses them instead of recomputing the sigmoid. In a Brax-sized value
-  network's gradient (5 x 256 units, 7,680 rows, CPU) that was 10% faster.
+  backward pass reuses them instead of recomputing the sigmoid.
   """
   return x * jax.nn.sigmoid(x)
 

@@ -12,33 +12,36 @@ when complete, so a crash never leaves a half-written checkpoint as the latest o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
+import gc
 import json
+import logging
 import os
+import shutil
+import sys
 import signal
 import tempfile
 import threading
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import flags
+from jax.experimental import multihost_utils
 
-from rljax import preemption
+from rljax import metrics as metrics_lib
+from rljax import nonfinite, preemption
+from rljax.runtime import is_primary, sync_processes
 
 CONFIG_FILE = "config.json"
 
-# Exit status of a run stopped by SIGTERM (SLURM preemption) after checkpointing:
-# EX_TEMPFAIL from sysexits.h, "try again later". Shared by the control and RLHF scripts.
+# Exit statuses and the non-finite halt, re-exported where the scripts have always found them.
 EXIT_PREEMPTED = preemption.EXIT_PREEMPTED
-# Exit status of a run stopped by a non-finite value with ``nonfinite="halt"``.
-EXIT_NONFINITE = 3
-
-
-class NonFiniteHalt(RuntimeError):
-  """Raised with ``nonfinite="halt"`` (control and RLHF trainers) after checkpointing the last
-  good state; the scripts exit with :data:`EXIT_NONFINITE`."""
+EXIT_NONFINITE = nonfinite.EXIT_NONFINITE
+NonFiniteHalt = nonfinite.NonFiniteHalt
 
 
 def checkpoint_dir(logdir: str) -> str:
@@ -247,8 +250,6 @@ def _set_aside(manager: ocp.CheckpointManager, steps: list[int], log: Callable[[
   """Renames unreadable step folders to ``<step>.unreadable`` (kept for inspection, ignored
   by orbax), so that the resumed run can write those steps again. Process 0 renames; every
   process then reloads the manager."""
-  from rljax.runtime import is_primary, sync_processes
-
   for step in steps if is_primary() else ():
     path = os.path.join(str(manager.directory), str(step))
     if os.path.isdir(path):
@@ -328,6 +329,72 @@ def read_items(logdir: str, step: int | None = None,
   return step, out
 
 
+# ---- single orbax items (RLHF's frozen roles and stages) ---------------------------------------
+
+
+def write_item(path: str, item: dict[str, Any], barrier: str) -> None:
+  """Writes the flat item ``item`` (:func:`to_saveable`) to the orbax folder
+  ``path`` (temporary folder, then renamed), replacing an incomplete earlier attempt there.
+  Every process calls it; arrays held by one process only are saved as replicated global
+  arrays (:func:`globalize`)."""
+  if is_primary() and os.path.exists(path):  # an incomplete earlier attempt: redo it
+    shutil.rmtree(path)
+  sync_processes(f"{barrier}-clear")
+  with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as c:  # synchronous (see make_manager)
+    c.save(path, args=ocp.args.StandardSave(globalize(item)))
+
+
+def restore_item(path: str, local: dict[str, Any]) -> dict[str, Any]:
+  """The item `write_item` wrote to ``path``, restored onto ``local``'s shapes and shardings;
+  raises what orbax raises."""
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, globalize(local))
+  with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as c:
+    return localize(c.restore(path, args=ocp.args.StandardRestore(abstract)), local)
+
+
+@contextlib.contextmanager
+def quiet_failed_restore():
+  """Within, and after a failure in it: the reports of a failed orbax restore's leftover work
+  are not printed. It leaves one asyncio task per array whose exception was never retrieved
+  (each with TensorStore's page-long spec), and TensorStore callbacks that then find the event
+  loop closed (`sys.unraisablehook`, from other threads, after the restore has returned). The
+  caller's one-line error covers them; other reports pass."""
+  logger = logging.getLogger("asyncio")
+  level = logger.level
+  logger.setLevel(logging.CRITICAL)
+  try:
+    yield
+  except Exception:
+    hook = sys.unraisablehook
+    if not getattr(hook, "_rljax_quiet", False):  # installed once; passes everything else on
+
+      def quiet(unraisable):
+        if not (unraisable.exc_type is RuntimeError
+                and str(unraisable.exc_value) == "Event loop is closed"):
+          hook(unraisable)
+
+      quiet._rljax_quiet = True
+      sys.unraisablehook = quiet
+    raise
+  finally:
+    gc.collect()
+    logger.setLevel(level)
+
+
+def read_item(path: str, local: dict[str, Any], what: str) -> dict[str, Any]:
+  """The item `write_item` wrote to ``path``, restored onto ``local``'s shapes and shardings.
+
+  Raises:
+    ValueError: it does not fit ``local`` (names or shapes differ) or cannot be read; the
+      message names ``what`` and ``path``.
+  """
+  try:
+    return restore_item(path, local)
+  except Exception as e:  # orbax raises many types for unreadable or mismatched data
+    raise ValueError(f"{what} in {path} cannot be loaded into this run's models "
+                     f"({first_line(e)})") from None
+
+
 GIB = 1024**3
 
 
@@ -344,8 +411,6 @@ def device_memory_bytes(device: jax.Device | None = None) -> int | None:
 
 def define_device_memory_flag():
   """Defines the absl flag ``--device_memory_gb`` (used by :func:`check_fits` on resume)."""
-  from absl import flags
-
   # The flag belongs to the calling script (absl then lists it in the script's --help).
   flags.disclaim_key_flags()
 
@@ -365,8 +430,6 @@ def device_bytes_from_flag(gb: float | None) -> int | None:
 
 def saved_bytes(path: str) -> int:
   """Bytes of the arrays in one orbax item folder (from its metadata; nothing is read)."""
-  import logging
-
   total = 0
   absl_logger = logging.getLogger("absl")
   level = absl_logger.level
@@ -498,29 +561,61 @@ def run_kind(section: str) -> str:
   return RUN_KINDS.get(section, f"a {section} run")
 
 
-def check_resume(logdir: str, held: str | None, *, resume: bool, section: str,
-                 config_json: dict[str, Any], defaults: Mapping[str, Any] | None = None,
-                 flag_names: Mapping[str, str] | None = None) -> None:
-  """Whether a run of kind ``section`` may start in ``logdir``, which holds ``held`` (its saved
-  state in words, e.g. ``"checkpoints up to step 3"``; None: nothing, a fresh start). A
-  ``logdir`` holding another kind of run is refused; without ``resume`` one holding state is
-  refused, its checkpoints left untouched; a resume needs the saved config
-  (:func:`check_same_config`, with ``defaults`` and ``flag_names``). Every trainer's check.
+class SavedRun(NamedTuple):
+  """A kind of run as its ``<logdir>/checkpoints/config.json`` records it, for `check_logdir`.
+
+  Attributes:
+    section: the run's kind, the key of its config in ``config.json`` (`RUN_KINDS`).
+    config_json: the run's config as JSON (`config_to_json`).
+    defaults: flat dotted defaults of the config's fields (`dataclass_defaults`): a field a
+      saved config lacks (added since the run started) counts as its default.
+    held: ``logdir -> str | None``, the state ``logdir`` holds in words (None: nothing to
+      resume); it may raise ValueError for a logdir no run of this kind may use. Default:
+      its checkpoints (`checkpoints_held`).
+    upgrade: ``saved section -> saved section``, the config of an older version in today's
+      layout (e.g. fields since nested), applied before the comparison; None: as saved.
+  """
+
+  section: str
+  config_json: dict[str, Any]
+  defaults: Mapping[str, Any] | None = None
+  held: Callable[[str], str | None] | None = None
+  upgrade: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+
+
+def checkpoints_held(logdir: str) -> str | None:
+  """``"checkpoints up to step N"`` for a ``logdir`` with checkpoints, else None."""
+  newest = newest_step(logdir)
+  return None if newest is None else f"checkpoints up to step {newest}"
+
+
+def check_logdir(logdir: str, run: SavedRun, *, resume: bool,
+                 flag_names: Mapping[str, str] | None = None) -> int | None:
+  """Whether a run of kind ``run.section`` may start in ``logdir``, writing nothing; every
+  trainer's check, which the scripts call before they write anything (so a refused command
+  leaves the run's folder as it was). Returns the newest checkpoint's step (None: none).
+
+  A ``logdir`` holding another kind of run is refused; without ``resume`` one that holds state
+  (``run.held``) is refused, its checkpoints left untouched; a resume needs the saved config
+  (:func:`check_same_config`). A saved config binds only a run that saved state (one stopped
+  before its first save, e.g. while compiling, does not refuse the next command).
 
   Raises:
     ValueError: naming ``logdir`` and what it holds (another kind; state without
       ``resume``), or the fields whose saved values differ.
   """
-  if held is None:
-    return
-  if resume:  # the kind is checked there too
-    check_same_config(logdir, section, config_json, defaults, flag_names)
-    return
-  check_same_kind(logdir, section)  # before the refusal, which would advise resuming
-  raise ValueError(f"--logdir {logdir!r} already holds {run_kind(section)} ({held}); run the "
-                   f"command without --noresume to resume it (the default; a finished run "
-                   f"then trains nothing), or use a new --logdir (its checkpoints are left "
-                   f"untouched).")
+  held = (run.held or checkpoints_held)(logdir)
+  if held is not None:
+    if resume:  # the kind is checked there too
+      check_same_config(logdir, run.section, run.config_json, run.defaults, flag_names,
+                        upgrade=run.upgrade)
+    else:
+      check_same_kind(logdir, run.section)  # before the refusal, which would advise resuming
+      raise ValueError(
+          f"--logdir {logdir!r} already holds {run_kind(run.section)} ({held}); run the "
+          f"command without --noresume to resume it (the default; a finished run then trains "
+          f"nothing), or use a new --logdir (its checkpoints are left untouched).")
+  return newest_step(logdir)
 
 
 def check_same_kind(logdir: str, section: str) -> None:
@@ -547,7 +642,9 @@ def _refuse_other_kind(logdir: str, section: str, saved: dict[str, Any]) -> None
 
 def check_same_config(logdir: str, section: str, now: dict[str, Any],
                       defaults: Mapping[str, Any] | None = None,
-                      flag_names: Mapping[str, str] | None = None) -> None:
+                      flag_names: Mapping[str, str] | None = None, *,
+                      upgrade: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+                      ) -> None:
   """A run resumes only with the config it was started with (else it is not exact).
 
   Compares ``now`` (JSON-able, possibly nested) with ``config.json[section]`` under
@@ -557,6 +654,7 @@ def check_same_config(logdir: str, section: str, now: dict[str, Any],
   dotted keys, e.g. from :func:`dataclass_defaults`, or nested), the value the run was trained
   with; without a default it reads as ``None``. ``flag_names`` maps fields to the flags that
   set them where the names differ (``{"sft_steps": "--num_steps"}``), for the message.
+  ``upgrade`` maps a saved section of an older version to today's layout first.
 
   Raises:
     ValueError: another kind of run (:func:`check_same_kind`), or naming every differing field
@@ -568,7 +666,8 @@ def check_same_config(logdir: str, section: str, now: dict[str, Any],
   except FileNotFoundError:
     return
   _refuse_other_kind(logdir, section, saved)
-  saved, now = flatten_config(saved[section]), flatten_config(now)
+  saved = saved[section] if upgrade is None else upgrade(saved[section])
+  saved, now = flatten_config(saved), flatten_config(now)
   implied = {k: v for k, v in flatten_config(defaults or {}).items()
              if k in now and k not in saved}
   saved = {**implied, **saved}
@@ -602,12 +701,8 @@ def truncate_jsonl(path: str, last_step: int,
   ``in_place`` rewritten in place, so that a writer already holding it open in append mode
   keeps appending to the same file. Only process 0 writes logs, so only it truncates.
   """
-  from rljax.runtime import is_primary
-
   if not is_primary() or not os.path.exists(path):
     return 0
-  from rljax import metrics as metrics_lib
-
   records = metrics_lib.read_jsonl(path)
   keep = [r for r in records if not (applies(r) and r["step"] > last_step)]
   dropped = len(records) - len(keep)
@@ -659,8 +754,6 @@ class SigtermFlag:
     """
     if jax.process_count() == 1:
       return self.received
-    from jax.experimental import multihost_utils
-
     flags = multihost_utils.process_allgather(np.int32(self.received))
     return bool(np.max(flags))
 

@@ -19,6 +19,30 @@ import sys
 # "try again later". Shared by the control and RLHF scripts (``rljax.checkpoint`` re-exports it).
 EXIT_PREEMPTED = 75
 
+
+
+class Preempted(Exception):
+  """Raised by the host loop (`rljax.loop.run`) after a SIGTERM: the current step (a control
+  chunk, an RL step) finished and was checkpointed; or, ``during_start_up``, the signal came
+  before training and ``step`` is the newest checkpoint (0: none), from which the same command
+  resumes. The scripts print it and exit with :data:`EXIT_PREEMPTED`.
+
+  Attributes:
+    step: the step checkpointed (or resumed from); ``chunk`` is the same number.
+  """
+
+  def __init__(self, step: int, logdir: str, *, unit: str = "step",
+               during_start_up: bool = False):
+    if during_start_up:
+      where = f"checkpoint {step}" if step else "the start"
+      msg = (f"preempted by SIGTERM during start-up, before training; nothing new to "
+             f"checkpoint: the run resumes from {where} in {logdir}")
+    else:
+      msg = f"preempted by SIGTERM; checkpointed {unit} {step} in {logdir}"
+    super().__init__(msg)
+    self.step = self.chunk = step
+
+
 EARLY_SIGTERM_MESSAGE = (f"preempted by SIGTERM outside the trainer (nothing new to save); "
                          f"exiting with status {EXIT_PREEMPTED}")
 

@@ -20,7 +20,7 @@ For each role (:class:`rljax.sharding.placement.Role`) it counts, per device (by
   gradient of the LM loss on 15 small configs per dtype (L 1-3, E 64-128, M 128-256, H 4-8,
   V 256-1024, 128-512 tokens): f32 ``(10.02, 5.45, 2.20, 1.07)``, mean error 2.5%, worst 12%;
   bf16 ``(10.29, 2.08, 1.42, 1.37)`` (its backward dots are bf16 too,
-  ``rljax.models.llm._dot``), mean error 4.8%, 14 of 15 within 15%, worst 17%.
+  ``rljax.models.dots.dot``), mean error 4.8%, 14 of 15 within 15%, worst 17%.
   ``PlanConfig.remat`` instead assumes per-layer rematerialisation, as large runs use (rljax's
   model does not implement it yet): the layer inputs ``L (B/dp) S E`` in the parameter dtype,
   one layer's working set and the logits and their gradient; that variant is not validated.

@@ -49,7 +49,7 @@ def control(mesh):
   from rljax.control import trainer
   from rljax.control.config import ControlConfig
 
-  config = ControlConfig(
+  config = ControlConfig().replace(
       env="playground/CartpoleBalance", num_timesteps=4 * 4, num_envs=4, unroll_length=4,
       num_minibatches=2, num_epochs=1, num_evals=2, num_eval_envs=2, episode_length=20,
       policy_hidden=(8,), value_hidden=(8,))
@@ -117,7 +117,7 @@ def main(argv):
   out["rlhf"] = rlhf_step(mesh)
   out["process"] = [jax.process_index(), jax.process_count(), jax.device_count()]
   path = os.path.join(_LOGDIR.value, "ckpt")
-  items = (control_trainer._policy_item(ts), control_trainer._train_item(ts, env_state, 16))
+  items = (tr.checkpoint_items(1, (ts, env_state)))
   if multi:  # save from both processes
     manager = ckpt.make_manager(path)
     ckpt.save(manager, 1, *items)

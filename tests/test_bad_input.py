@@ -10,7 +10,6 @@ config.json, and the flags it conflicts with.
 """
 
 import dataclasses
-import functools
 import json
 import os
 import shutil
@@ -19,6 +18,7 @@ import sys
 
 import pytest
 
+from rljax import checkpoint as ckpt
 from rljax.alignment import pipeline
 from rljax.envs.text import data
 
@@ -316,8 +316,8 @@ def test_resume_check_compares_nested_fields_and_implies_class_defaults(tmp_path
   del old["rl"]["ppo"]["vf_coef"], old["num_eval_prompts"]  # "added later"
   (tmp_path / "checkpoints" / "1").mkdir(parents=True)  # a saved step: the config binds
   (tmp_path / "checkpoints" / "config.json").write_text(json.dumps({"rlhf_embedded": old}))
-  prepare = functools.partial(checkpointing.prepare, str(tmp_path), "rlhf_embedded",
-                              resume=True, defaults=defaults)
+  prepare = lambda config_json: checkpointing.prepare(  # noqa: E731
+      str(tmp_path), ckpt.SavedRun("rlhf_embedded", config_json, defaults), resume=True)
   assert prepare(now) is False  # both now equal their defaults (0.5, 256): resumes
   changed = checkpointing.config_to_json(dataclasses.replace(
       cfg, num_eval_prompts=8, rl=dataclasses.replace(
@@ -391,14 +391,14 @@ def test_config_of_a_run_that_saved_nothing_does_not_bind_the_retry(tmp_path):
   saved = {"overlong_prompts": "reject", "sft_steps": 7}
   now = {"overlong_prompts": "truncate", "sft_steps": 7}
   said = []
-  assert checkpointing.prepare(logdir, "rlhf_preference", saved, resume=True,
+  assert checkpointing.prepare(logdir, ckpt.SavedRun("rlhf_preference", saved), resume=True,
                                log=said.append) is False
   assert said == []  # a first start: nothing to say
   # The earlier start logged two records before it was killed, with nothing saved: the
   # retry says that it starts from the beginning, and drops them.
   with open(os.path.join(logdir, "metrics.jsonl"), "w") as f:
     f.write('{"step": 1, "stage": "pretrain"}\n{"step": 2, "stage": "pretrain"}\n')
-  assert checkpointing.prepare(logdir, "rlhf_preference", now, resume=True,
+  assert checkpointing.prepare(logdir, ckpt.SavedRun("rlhf_preference", now), resume=True,
                                log=said.append) is False
   assert said == [f"{logdir}: an earlier start of this run saved no state (it stopped before "
                   "its first save), so it starts from the beginning; its 2 record(s) in "
@@ -408,9 +408,9 @@ def test_config_of_a_run_that_saved_nothing_does_not_bind_the_retry(tmp_path):
     assert json.load(f) == {"rlhf_preference": now}
   os.makedirs(os.path.join(logdir, "checkpoints", "2"))
   with pytest.raises(ValueError, match="overlong_prompts: saved 'truncate', now 'reject'"):
-    checkpointing.prepare(logdir, "rlhf_preference", saved, resume=True)
+    checkpointing.prepare(logdir, ckpt.SavedRun("rlhf_preference", saved), resume=True)
   with pytest.raises(ValueError, match="already holds a train_rlhf.py --preference_data run"):
-    checkpointing.prepare(logdir, "rlhf_preference", now, resume=False)
+    checkpointing.prepare(logdir, ckpt.SavedRun("rlhf_preference", now), resume=False)
 
 
 def test_verbose_shows_the_traceback(tmp_path, existing_run):
@@ -664,11 +664,11 @@ def test_stage_scripts_refuse_a_finished_run_that_saved_no_state(tmp_path):
   with an interrupted run's records only is not (they are redone)."""
   cfg = pipeline.EmbeddedConfig()
   (tmp_path / "metrics.jsonl").write_text('{"step": 50, "stage": "pretrain", "pretrain/loss": 2.5}\n')
-  pipeline.check_logdir(cfg, str(tmp_path), stop_after="sft")  # records only: redone
+  ckpt.check_logdir(str(tmp_path), pipeline.saved_run(cfg, stop_after="sft"), resume=True)  # records only: redone
   (tmp_path / "hf_model").mkdir()
   with pytest.raises(ValueError, match=r"holds a finished run's hf_model but no saved state to "
                      r"resume it from; use a new --logdir \(nothing in it was changed\)"):
-    pipeline.check_logdir(cfg, str(tmp_path), stop_after="sft")
+    ckpt.check_logdir(str(tmp_path), pipeline.saved_run(cfg, stop_after="sft"), resume=True)
   with pytest.raises(ValueError, match="no saved state"):
     pipeline.run_embedded(cfg, logdir=str(tmp_path), stop_after="sft", log=lambda *_: None)
   assert sorted(os.listdir(tmp_path)) == ["hf_model", "metrics.jsonl"]

@@ -1,6 +1,7 @@
 """The control trainer: config errors, determinism, checkpoints and end-to-end learning."""
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -17,7 +18,7 @@ from flax import nnx
 
 from rljax import checkpoint as ckpt
 from rljax import envs, running_stats, runtime
-from rljax.control import trainer
+from rljax.control import checkpointing, learner, trainer
 from rljax.control.config import ConfigError, ControlConfig, default_config
 from rljax.models import mlp
 
@@ -46,7 +47,7 @@ TINY = dict(
         (dict(num_envs=16, batch_size=48, num_minibatches=4, num_microbatches=5),
          r"a minibatch of 12 segments is not divisible by num_microbatches=5: 48 segments a batch "
          r"\(batch_size=48\) over num_minibatches=4\.$"),
-        (dict(num_microbatches=0), "num_microbatches must be a positive integer, got 0"),
+        (dict(num_microbatches=0), "num_microbatches must be >= 1, got 0"),
         (dict(learning_rate=0.0), "learning_rate must be > 0, got 0.0"),
         (dict(init_std=0.001), r"init_std must be > 0.001 \(the policy's min_std\), got 0.001"),
         (dict(policy_init_scale=-1.0), "policy_init_scale must be > 0, got -1.0"),
@@ -66,7 +67,7 @@ TINY = dict(
 )
 def test_config_rejects_bad_values(kwargs, match):
   with pytest.raises(ConfigError, match=match):
-    ControlConfig(**kwargs)
+    ControlConfig().replace(**kwargs)
 
 
 @pytest.mark.parametrize("kwargs, fields", [
@@ -86,7 +87,7 @@ def test_config_error_names_the_fields_it_quotes(kwargs, fields):
   """`ConfigError.fields` lists the ``name=value`` fields of its message, in the message's order
   (train_control.py names those no flag set as the environment's defaults)."""
   with pytest.raises(ConfigError) as info:
-    ControlConfig(**kwargs)
+    ControlConfig().replace(**kwargs)
   assert info.value.fields == fields
   message = str(info.value)
   for name in fields:
@@ -193,33 +194,33 @@ def test_resume_check_treats_fields_added_later_as_their_defaults(tmp_path):
   # A run started before init_std / policy_init_scale / obs_stats_before_update existed saved
   # a config without them; it trained with their defaults then, so it resumes with those,
   # and only with those.
-  saved = json.loads(ControlConfig(**TINY).to_json())
+  saved = json.loads(ControlConfig().replace(**TINY).to_json())
   for k in ("init_std", "policy_init_scale", "obs_stats_before_update"):
     del saved[k]
   os.makedirs(os.path.join(ckpt.checkpoint_dir(str(tmp_path)), "1"))  # a saved chunk
   ckpt.write_json_atomic(os.path.join(ckpt.checkpoint_dir(str(tmp_path)), ckpt.CONFIG_FILE),
                          {"control": saved})
-  assert trainer.check_logdir(str(tmp_path), ControlConfig(**TINY), resume=True) == 1
+  assert ckpt.check_logdir(str(tmp_path), checkpointing.saved_run(ControlConfig().replace(**TINY)), resume=True) == 1
   with pytest.raises(ValueError, match=r"different config \(policy_init_scale: not saved, so "
                                       r"the default 0.01, now 1.0\)"):
-    trainer.check_logdir(str(tmp_path), ControlConfig(**TINY, policy_init_scale=1.0), resume=True)
+    ckpt.check_logdir(str(tmp_path), checkpointing.saved_run(ControlConfig().replace(**TINY, policy_init_scale=1.0)), resume=True)
   # The implied values are the generic defaults the run had, not today's per-env defaults:
   # an old brax/ant run (trained with 1.0 / 0.01) is refused under ant's new defaults.
   ant = default_config("brax/ant").replace(**{k: v for k, v in TINY.items() if k != "env"})
   with pytest.raises(ValueError, match=r"init_std: not saved, so the default 1.0, now 0.694"):
-    trainer.check_logdir(str(tmp_path), ant, resume=True)
+    ckpt.check_logdir(str(tmp_path), checkpointing.saved_run(ant), resume=True)
   with pytest.raises(ValueError, match=r"different config \(seed: saved 0, now 1\)"):
-    trainer.check_logdir(str(tmp_path), ControlConfig(**TINY, seed=1), resume=True)
+    ckpt.check_logdir(str(tmp_path), checkpointing.saved_run(ControlConfig().replace(**TINY, seed=1)), resume=True)
   with pytest.raises(ValueError, match=r"obs_stats_before_update: not saved, so the default "
                                       r"False, now True"):
-    trainer.check_logdir(str(tmp_path), ControlConfig(**TINY, obs_stats_before_update=True),
+    ckpt.check_logdir(str(tmp_path), checkpointing.saved_run(ControlConfig().replace(**TINY, obs_stats_before_update=True)),
                          resume=True)
 
 
 def test_make_networks_uses_the_policy_initialisation():
   env = envs.make(TINY["env"])
   for init_std, scale in ((1.0, 0.01), (mlp.BRAX_INIT_STD, 1.0)):
-    config = ControlConfig(**TINY, init_std=init_std, policy_init_scale=scale)
+    config = ControlConfig().replace(**TINY, init_std=init_std, policy_init_scale=scale)
     networks, params = trainer.make_networks(config, env, jax.random.PRNGKey(0))
     assert networks.config.init_std == init_std and networks.config.policy_init_scale == scale
     model = nnx.merge(networks.graphdef, params)
@@ -246,7 +247,7 @@ def test_make_networks_initialises_as_nnx_does_op_by_op():
 
 
 def test_same_seed_gives_bitwise_equal_parameters():
-  config = ControlConfig(**TINY)
+  config = ControlConfig().replace(**TINY)
   a = trainer.train(config, None, progress=False)
   b = trainer.train(config, None, progress=False)
   for x, y in zip(_leaves(a.train_state.params), _leaves(b.train_state.params)):
@@ -261,7 +262,7 @@ def test_same_seed_gives_bitwise_equal_parameters():
 
 
 def test_logdir_outputs_and_load_policy(tmp_path):
-  config = ControlConfig(**TINY)
+  config = ControlConfig().replace(**TINY)
   logdir = str(tmp_path / "run")
   result = trainer.train(config, logdir, progress=False)
   for name in ("metrics.jsonl", "learning_curve.png", "checkpoints/config.json"):
@@ -357,22 +358,22 @@ def test_bootstrap_values_skip_the_second_value_pass_only_when_exact():
   before the last step must switch to the full pass, whose value at that step is
   ``V(final_obs)``, not the value of the reset state that follows it.
   """
-  t, params = trainer.make_trainer(ControlConfig(**TINY))
+  t, params = trainer.make_trainer(ControlConfig().replace(**TINY))
   ts, env_state = t.init(params)
   ts = ts._replace(obs_stats=running_stats.update(ts.obs_stats, env_state.obs))
-  _, data = jax.jit(t._unroll)(ts.params, ts.obs_stats, env_state, jax.random.PRNGKey(3))
+  _, data = jax.jit(t.rollout.unroll)(ts.params, ts.obs_stats, env_state, jax.random.PRNGKey(3))
   data = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), data)  # [B, T, ...]
   np.testing.assert_array_equal(data["final_obs"][:, :-1], data["obs"][:, 1:])
   obs_n = running_stats.normalize(ts.obs_stats, data["obs"])
   values = trainer.value_apply(t.networks, ts.params, obs_n)
   full = trainer.value_apply(
       t.networks, ts.params, running_stats.normalize(ts.obs_stats, data["final_obs"]))
-  boot = jax.jit(t._bootstrap_values)(ts.params, ts.obs_stats, data["final_obs"],
+  boot = jax.jit(functools.partial(learner.bootstrap_values, t.networks))(ts.params, ts.obs_stats, data["final_obs"],
                                       data["truncation"], values)
   np.testing.assert_allclose(boot, full, rtol=1e-6, atol=1e-6)
   # A truncation at step 2 whose pre-reset observation differs from the next obs.
   moved = data["final_obs"].at[:, 2].add(1.0)
-  boot = jax.jit(t._bootstrap_values)(ts.params, ts.obs_stats, moved,
+  boot = jax.jit(functools.partial(learner.bootstrap_values, t.networks))(ts.params, ts.obs_stats, moved,
                                       data["truncation"].at[:, 2].set(True), values)
   expected = trainer.value_apply(
       t.networks, ts.params, running_stats.normalize(ts.obs_stats, moved))
@@ -390,18 +391,18 @@ def test_observation_statistics_update_before_or_after_the_ppo_update(before, mo
   rollout's statistics, and the two orders train different parameters. The first
   minibatch's ratios are exactly 1 only in the default order (the rollout's log-probabilities
   were taken under the old statistics)."""
-  t, params = trainer.make_trainer(ControlConfig(**TINY, obs_stats_before_update=before))
+  t, params = trainer.make_trainer(ControlConfig().replace(**TINY, obs_stats_before_update=before))
   ts, env_state = t.init(params)
-  update = trainer.ppo.ppo_update
+  update = learner.ppo.ppo_update
 
   def recording_update(state, batch, key, **kw):
     new_state, metrics = update(state, batch, key, **kw)
     return new_state, dict(metrics, seen_obs=batch["obs"])
 
-  monkeypatch.setattr(trainer.ppo, "ppo_update", recording_update)
-  (new_ts, _), m = jax.jit(t._iteration)((ts, env_state), None)
+  monkeypatch.setattr(learner.ppo, "ppo_update", recording_update)
+  (new_ts, _), m = jax.jit(t.iteration)((ts, env_state), None)
   _, key_roll, _ = jax.random.split(ts.key, 3)
-  _, data = jax.jit(t._collect)(ts.params, ts.obs_stats, env_state, key_roll)
+  _, data = jax.jit(t.rollout.collect)(ts.params, ts.obs_stats, env_state, key_roll)
   obs = np.asarray(data["obs"], np.float64)  # [N, T, obs]
   flat = obs.reshape(-1, obs.shape[-1])
   mean, std = flat.mean(0), flat.std(0)
@@ -417,8 +418,8 @@ def test_observation_statistics_update_before_or_after_the_ppo_update(before, mo
   np.testing.assert_allclose(new_ts.obs_stats.mean, mean, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(new_ts.obs_stats.m2, flat.var(0) * flat.shape[0], rtol=1e-4, atol=1e-5)
   # The other order, from the same state, trains other parameters.
-  other, _ = trainer.make_trainer(ControlConfig(**TINY, obs_stats_before_update=not before))
-  (other_ts, _), _ = jax.jit(other._iteration)((ts, env_state), None)
+  other, _ = trainer.make_trainer(ControlConfig().replace(**TINY, obs_stats_before_update=not before))
+  (other_ts, _), _ = jax.jit(other.iteration)((ts, env_state), None)
   gaps = jax.tree.map(lambda x, y: float(jnp.max(jnp.abs(x - y))), new_ts.params, other_ts.params)
   assert max(jax.tree.leaves(gaps)) > 1e-4
   chex.assert_trees_all_close(other_ts.obs_stats, new_ts.obs_stats, rtol=1e-6, atol=1e-6)
@@ -470,9 +471,9 @@ def test_train_chunk_compiles_once_from_abstract_shapes(caplog):
   ``Trainer.abstract_state`` (while the environments reset): the run's calls reuse those
   executables, so XLA compiles each once."""
   _, compiled = _compiles_of(caplog, "chunk|run",
-                             lambda: trainer.train(ControlConfig(**TINY), None, progress=False))
+                             lambda: trainer.train(ControlConfig().replace(**TINY), None, progress=False))
   assert compiled == ["chunk", "run"], compiled
-  tr, params = trainer.make_trainer(ControlConfig(**TINY))
+  tr, params = trainer.make_trainer(ControlConfig().replace(**TINY))
   abstract, tree_a = jax.tree.flatten(tr.abstract_state(params))
   concrete, tree_c = jax.tree.flatten(tr.init(params))
   assert tree_a == tree_c
@@ -485,7 +486,7 @@ def test_chunk_state_types_are_a_fixed_point(env):
   executable compiled from `Trainer.abstract_state` serves every call. CheetahRun's reset
   state and ant's stepped state hold weakly typed leaves; before `_strong_types` the
   second chunk compiled again (18-30 s)."""
-  config = ControlConfig(**dict(TINY, env=env, episode_length=1000))
+  config = ControlConfig().replace(**dict(TINY, env=env, episode_length=1000))
   tr, params = trainer.make_trainer(config)
   state = tr.abstract_state(params)
   out = jax.eval_shape(tr.train_chunk, *state)[:2]
@@ -498,7 +499,7 @@ def test_overlapped_evaluation_equals_sequential(tmp_path):
   """Evaluating chunk k on a second thread while chunk k + 1 trains changes no value: every
   record's evaluation and training metrics, the checkpoints and the final state equal a
   run that evaluates between chunks. In both, the first record is the initial state's."""
-  config = ControlConfig(**TINY)
+  config = ControlConfig().replace(**TINY)
   runs = {}
   for overlap in (True, False):
     logdir = str(tmp_path / f"overlap_{overlap}")
@@ -537,7 +538,7 @@ def test_overlapped_value_update_equals_one_program_chunk(one_device_mesh, caplo
   the joint one). XLA compiles each of its four programs and the evaluation once, ahead of
   time (the calls reuse those executables: weak types and placements match)."""
 
-  config = ControlConfig(**dict(TINY, batch_size=32, num_timesteps=2 * 4 * 32 * 8, lr_schedule="linear"))
+  config = ControlConfig().replace(**dict(TINY, batch_size=32, num_timesteps=2 * 4 * 32 * 8, lr_schedule="linear"))
   mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",)) if one_device_mesh else None
   results = {}
   for overlap in (False, True):
@@ -569,14 +570,14 @@ def test_env_threads_train_the_one_program_chunk(one_device_mesh, caplog):
   exactly, and a second threaded run is the first bit for bit. XLA compiles each of its four
   programs and the evaluation once, ahead of time."""
 
-  config = ControlConfig(**dict(TINY, batch_size=32, num_timesteps=2 * 4 * 32 * 8, lr_schedule="linear"))
+  config = ControlConfig().replace(**dict(TINY, batch_size=32, num_timesteps=2 * 4 * 32 * 8, lr_schedule="linear"))
   mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",)) if one_device_mesh else None
   tr, params = trainer.make_trainer(config.replace(env_threads=2), mesh=mesh)
   assert tr.env_threads == 2 and isinstance(tr.train_chunk, trainer.ThreadedChunk)
   chunk = tr.train_chunk
   ts, env_state = tr.init(params)
   _, key_roll, _ = jax.random.split(ts.key, 3)
-  whole = jax.jit(tr._unrolls, compiler_options=runtime.control_compiler_options())(
+  whole = jax.jit(tr.rollout.unrolls, compiler_options=runtime.control_compiler_options())(
       ts.params, ts.obs_stats, env_state, key_roll)
   groups = [chunk._rollout(ts.params, ts.obs_stats, g, ts.key, np.int32(i))
             for i, g in enumerate(chunk._split(env_state))]
@@ -625,7 +626,7 @@ def test_microbatches_train_the_same_policy():
   """``num_microbatches=4`` (each minibatch of 16 segments x 8 steps as 4 parts) trains the
   one-part run's PPO, in the one-program chunk and with the value update overlapped: after 4
   iterations the parameters and the last losses agree to float rounding."""
-  config = ControlConfig(**dict(TINY, batch_size=32, num_timesteps=4 * 32 * 8, num_evals=2))
+  config = ControlConfig().replace(**dict(TINY, batch_size=32, num_timesteps=4 * 32 * 8, num_evals=2))
   runs = {(g, overlap): trainer.train(
       config.replace(num_microbatches=g, overlap_value_update=overlap), None, progress=False)
           for g, overlap in ((1, False), (4, False), (4, True))}
@@ -653,7 +654,7 @@ def test_gae_per_minibatch_in_one_minibatch_equals_gae_before_the_update():
   base = dict(TINY, num_minibatches=1, num_epochs=1, num_timesteps=8 * 16 * 8, num_evals=2)
   out = {}
   for gae in (False, True):
-    t, params = trainer.make_trainer(ControlConfig(**base, gae_per_minibatch=gae))
+    t, params = trainer.make_trainer(ControlConfig().replace(**base, gae_per_minibatch=gae))
     assert t.iterations_per_chunk == 8
     start = jax.tree.map(np.asarray, params)
     out[gae] = t.train_chunk(*t.init(params))  # donates its input
@@ -669,15 +670,15 @@ def test_gae_per_minibatch_in_one_minibatch_equals_gae_before_the_update():
   two = dict(base, num_epochs=2, learning_rate=3e-2)
   new = {}
   for gae in (False, True):
-    t, params = trainer.make_trainer(ControlConfig(**two, gae_per_minibatch=gae))
-    (new[gae], _), _ = jax.jit(t._iteration)(t.init(params), None)
+    t, params = trainer.make_trainer(ControlConfig().replace(**two, gae_per_minibatch=gae))
+    (new[gae], _), _ = jax.jit(t.iteration)(t.init(params), None)
   gaps = jax.tree.map(lambda x, y: float(jnp.max(jnp.abs(x - y))), new[True].params,
                       new[False].params)
   assert max(jax.tree.leaves(gaps)) > 1e-3
   # The update's batch holds no values then: the chunk makes no value pass of its own.
   ts, env_state = t.init(params)
-  _, data = jax.jit(t._collect)(ts.params, ts.obs_stats, env_state, jax.random.PRNGKey(0))
-  batch, _, _ = t._batch(ts.params, ts.obs_stats, data)
+  _, data = jax.jit(t.rollout.collect)(ts.params, ts.obs_stats, env_state, jax.random.PRNGKey(0))
+  batch, _, _ = learner.make_batch(t.config, t.networks, ts.params, ts.obs_stats, data)
   assert not {"values", "advantages", "returns"} & set(batch)
 
 
@@ -694,7 +695,7 @@ def test_physics_compiles_without_ynn_fusions():
     # nothing for the option to turn off and nothing here to check.
     pytest.skip("this XLA sends no dot to a YNNPACK fusion by default")
   assert runtime.control_compiler_options() == {"xla_cpu_experimental_ynn_fusion_type": ""}
-  tr, params = trainer.make_trainer(ControlConfig(**TINY))
+  tr, params = trainer.make_trainer(ControlConfig().replace(**TINY))
   ts, env_state = tr.abstract_state(params)
   chunk_hlo = tr.train_chunk.lower(ts, env_state).compile().as_text()
   eval_hlo = tr.evaluate.lower(ts.params, ts.obs_stats, jax.random.PRNGKey(0)).compile().as_text()

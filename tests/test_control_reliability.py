@@ -123,7 +123,7 @@ def test_sigterm_during_start_up_preempts_with_nothing_written(tmp_path, monkeyp
     return built
 
   monkeypatch.setattr(trainer, "make_trainer", make_then_sigterm)
-  config = ControlConfig(**dict(SETTINGS, num_timesteps=3 * 2 * 16 * 8, num_evals=4))
+  config = ControlConfig().replace(**dict(SETTINGS, num_timesteps=3 * 2 * 16 * 8, num_evals=4))
   logdir = str(tmp_path / "run")
   with pytest.raises(trainer.Preempted) as e:
     trainer.train(config, logdir, progress=False)
@@ -142,7 +142,7 @@ def _truncate_largest_file(directory):
 
 
 def test_finished_run_reruns_as_a_no_op_and_truncated_newest_checkpoint_falls_back(tmp_path):
-  config = ControlConfig(**dict(SETTINGS, num_timesteps=3 * 2 * 16 * 8, num_evals=4))
+  config = ControlConfig().replace(**dict(SETTINGS, num_timesteps=3 * 2 * 16 * 8, num_evals=4))
   logdir = str(tmp_path / "run")
   done = trainer.train(config, logdir, progress=False)
   assert [h["step"] for h in done.history] == [0, 1, 2, 3]
@@ -202,7 +202,7 @@ def test_start_that_saved_no_checkpoint_does_not_bind_the_next_run(tmp_path):
   # record; the next command in that logdir, with another config, trains from chunk 0 and its
   # metrics.jsonl holds only its own records.
   logdir = str(tmp_path / "run")
-  other = ControlConfig(**dict(SETTINGS, num_timesteps=3 * 2 * 16 * 8, num_evals=4, seed=7))
+  other = ControlConfig().replace(**dict(SETTINGS, num_timesteps=3 * 2 * 16 * 8, num_evals=4, seed=7))
   ckpt.write_json_atomic(os.path.join(ckpt.checkpoint_dir(logdir), ckpt.CONFIG_FILE),
                          {"control": json.loads(other.to_json())})
   with open(os.path.join(logdir, "metrics.jsonl"), "w") as f:
@@ -259,7 +259,7 @@ def test_nan_reward_is_skipped_and_counted(mode, monkeypatch, tmp_path):
   monkeypatch.setattr(envs, "make", lambda name, **kw: _NaNRewardAt(real_make(name, **kw), k=5))
   monkeypatch.setattr(envs, "_is_playground", lambda env: True)
   # Episodes of 1000 steps: the NaN happens once, in the first iteration.
-  config = ControlConfig(**dict(SETTINGS, num_timesteps=2 * 2 * 16 * 8, num_evals=3,
+  config = ControlConfig().replace(**dict(SETTINGS, num_timesteps=2 * 2 * 16 * 8, num_evals=3,
                                 episode_length=1000, nonfinite=mode))
   lines = []
   if mode == "halt":

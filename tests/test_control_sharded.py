@@ -18,7 +18,7 @@ CODE = textwrap.dedent(r'''
     from rljax.control import trainer
     from rljax.control.config import ControlConfig, ConfigError
     assert jax.device_count() == 8
-    config = ControlConfig(
+    config = ControlConfig().replace(
         env="playground/CartpoleBalance", num_timesteps=2 * 2 * 16 * 8, num_envs=16,
         unroll_length=8, num_minibatches=2, num_epochs=2, num_evals=3, num_eval_envs=8,
         episode_length=50, policy_hidden=(8,), value_hidden=(8,))

@@ -17,6 +17,7 @@ import rljax
 from rljax import running_stats
 from rljax.control import export, export_loader, trainer
 from rljax.control.config import ControlConfig
+from rljax.models import mlp
 
 # The same seconds-long run as tests/test_control.py's TINY.
 TINY = dict(
@@ -30,7 +31,7 @@ OBS_SIZE, ACT_SIZE = 5, 1  # CartpoleBalance
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   logdir = str(tmp_path_factory.mktemp("export") / "run")
-  trainer.train(ControlConfig(**TINY), logdir, progress=False)
+  trainer.train(ControlConfig().replace(**TINY), logdir, progress=False)
   return logdir
 
 
@@ -139,11 +140,11 @@ def test_fixed_batch_export_and_errors(run, tmp_path):
 def test_export_policy_in_memory_matches_inference_fn(tmp_path):
   """An untrained default-size MLP with non-trivial normaliser statistics."""
   config = ControlConfig(env="playground/CartpoleBalance")
-  net_config = trainer.mlp.ActorCriticConfig(
+  net_config = mlp.ActorCriticConfig(
       observation_size=OBS_SIZE, action_size=ACT_SIZE, policy_hidden=config.policy_hidden,
       value_hidden=(4,), init_std=1.0,
   )
-  model = trainer.mlp.ActorCritic(net_config, rngs=nnx.Rngs(params=1))
+  model = mlp.ActorCritic(net_config, rngs=nnx.Rngs(params=1))
   graphdef, params = nnx.split(model, nnx.Param)
   # Make the policy output large enough to see: scale the last layer up.
   params["policy"]["out"]["kernel"][...] = params["policy"]["out"]["kernel"][...] * 300.0

@@ -9,7 +9,7 @@ import transformers
 from flax import nnx
 from flax.core import spmd as flax_spmd
 
-from rljax.models import axes, hf_io, llm
+from rljax.models import axes, dots, hf_io, llm
 
 VOCAB = 96
 
@@ -166,11 +166,11 @@ def test_cached_decoding_equals_full_forward(batch):
     (dict(dtype="bfloat16", tie_word_embeddings=False), "float32", 3e-2),
 ])
 def test_one_sequence_step_equals_the_same_row_in_a_batch(kw, cache_dtype, tol):
-  """A decoding step of one sequence (``B = T = 1`` on CPU: `_one_step_attention`, and
-  `_split_k_matvec` for the projections and an untied head; the 47-wide MLP's down projection has
-  an odd ``K`` and is not split) gives the logits and cache of that row in a batch of 2 (the
-  general path): with hidden slots, the new slot visible or hidden, no visible slot at all, and
-  the last slot written. f32 and bf16 models, bf16 and f32 caches."""
+  """A decoding step of one sequence (``B = T = 1`` on CPU: `llm._one_step_attention`, and
+  `dots._split_k_matvec` for the projections and an untied head; the 47-wide MLP's down
+  projection has an odd ``K`` and is not split) gives the logits and cache of that row in a batch
+  of 2 (the general path): with hidden slots, the new slot visible or hidden, no visible slot at
+  all, and the last slot written. f32 and bf16 models, bf16 and f32 caches."""
   model = _tiny(**kw)
   graphdef, state = nnx.split(model)
 
@@ -216,18 +216,18 @@ def test_split_k_matvec_is_the_einsum_for_one_row():
   rng = np.random.RandomState(0)
   x = jnp.asarray(rng.randn(1, 1, 8), jnp.float32)
   w = jnp.asarray(rng.randn(8, 3, 5), jnp.float32)
-  assert llm._is_cpu_matvec("BTE,EHD->BTHD", x, w)
-  np.testing.assert_allclose(llm._dot("BTE,EHD->BTHD", x, w),
+  assert dots.is_cpu_matvec("BTE,EHD->BTHD", x, w)
+  np.testing.assert_allclose(dots.dot("BTE,EHD->BTHD", x, w),
                              jnp.einsum("BTE,EHD->BTHD", x, w), rtol=1e-6, atol=1e-6)
-  assert not llm._is_cpu_matvec("BTE,EHD->BTHD", jnp.ones((2, 1, 8)), w)   # two rows
-  assert not llm._is_cpu_matvec("BTE,EHD->BTHD", jnp.ones((1, 1, 7)), jnp.ones((7, 3, 5)))
-  assert not llm._is_cpu_matvec("...E,VE->...V", jnp.ones((1, 8)), jnp.ones((5, 8)))  # tied head
-  assert not llm._is_cpu_matvec("BTE,EHD->BTDH", x, w)                     # another output order
-  assert llm._is_cpu_matvec("NE,EV->NV", jnp.ones((1, 8)), jnp.ones((8, 5)))
-  assert llm._is_cpu_matvec("...E,EV->...V", jnp.ones((1, 8)), jnp.ones((8, 5)))  # untied head
-  assert llm._is_cpu_matvec("...E,EV->...V", jnp.ones((1, 1, 8)), jnp.ones((8, 5)))
-  assert not llm._is_cpu_matvec("...E,EV->...V", jnp.ones((2, 8)), jnp.ones((8, 5)))
-  assert not llm._is_cpu_matvec("...E,EV->V", jnp.ones((1, 8)), jnp.ones((8, 5)))
+  assert not dots.is_cpu_matvec("BTE,EHD->BTHD", jnp.ones((2, 1, 8)), w)   # two rows
+  assert not dots.is_cpu_matvec("BTE,EHD->BTHD", jnp.ones((1, 1, 7)), jnp.ones((7, 3, 5)))
+  assert not dots.is_cpu_matvec("...E,VE->...V", jnp.ones((1, 8)), jnp.ones((5, 8)))  # tied head
+  assert not dots.is_cpu_matvec("BTE,EHD->BTDH", x, w)                     # another output order
+  assert dots.is_cpu_matvec("NE,EV->NV", jnp.ones((1, 8)), jnp.ones((8, 5)))
+  assert dots.is_cpu_matvec("...E,EV->...V", jnp.ones((1, 8)), jnp.ones((8, 5)))  # untied head
+  assert dots.is_cpu_matvec("...E,EV->...V", jnp.ones((1, 1, 8)), jnp.ones((8, 5)))
+  assert not dots.is_cpu_matvec("...E,EV->...V", jnp.ones((2, 8)), jnp.ones((8, 5)))
+  assert not dots.is_cpu_matvec("...E,EV->V", jnp.ones((1, 8)), jnp.ones((8, 5)))
 
 
 def test_left_padding_gives_unpadded_log_probs():

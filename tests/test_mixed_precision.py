@@ -1,6 +1,6 @@
 """Mixed precision (bf16 compute, f32 master weights) and the entropy-as-metric gradient.
 
-* ``rljax.models.llm._dot`` with two bf16 operands has a hand-written backward pass whose dots
+* ``rljax.models.dots.dot`` with two bf16 operands has a hand-written backward pass whose dots
   take the bf16 cotangent (as PyTorch's bf16 autocast). Its gradients equal autodiff of the
   same dot computed in f32 from the same bf16 values, to bf16 rounding; the f32 path is plain
   autodiff, bit for bit.
@@ -18,7 +18,7 @@ from test_rlhf import _model, _trainer
 
 from rljax import ppo
 from rljax.alignment import modeling, rlhf
-from rljax.models import llm
+from rljax.models import dots, llm
 
 # The model's dot equations (attention, MLP, LM head with a leading ellipsis).
 EQUATIONS = [
@@ -48,7 +48,7 @@ def test_bf16_dot_gradient_matches_f32_autodiff(equation, xs, ws, out_dtype):
   def loss(fn, a, b):
     return jnp.sum(fn(a, b).astype(jnp.float32) * c)
 
-  mixed = jax.grad(lambda a, b: loss(lambda p, q: llm._dot(equation, p, q, out_dtype), a, b),
+  mixed = jax.grad(lambda a, b: loss(lambda p, q: dots.dot(equation, p, q, out_dtype), a, b),
                    argnums=(0, 1))(xb, wb)
   # Reference: the same bf16 values, dot and gradient in f32.
   ref = jax.grad(lambda a, b: loss(lambda p, q: jnp.einsum(equation, p, q), a, b),
@@ -59,7 +59,7 @@ def test_bf16_dot_gradient_matches_f32_autodiff(equation, xs, ws, out_dtype):
     scale = float(jnp.max(jnp.abs(r)))
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r), atol=2e-2 * scale)
   # The forward value is unchanged: f32 accumulation, one rounding.
-  value = llm._dot(equation, xb, wb, out_dtype)
+  value = dots.dot(equation, xb, wb, out_dtype)
   expect = jnp.einsum(equation, xb, wb, preferred_element_type=jnp.float32)
   np.testing.assert_array_equal(np.asarray(value, np.float32),
                                 np.asarray(expect.astype(value.dtype), np.float32))
@@ -69,7 +69,7 @@ def test_f32_dot_is_plain_autodiff():
   equation, xs, ws = EQUATIONS[3]
   x, w = _inputs(xs, ws)
   c = jax.random.normal(jax.random.key(7), jnp.einsum(equation, x, w).shape)
-  ours = jax.grad(lambda a, b: jnp.sum(llm._dot(equation, a, b) * c), argnums=(0, 1))(x, w)
+  ours = jax.grad(lambda a, b: jnp.sum(dots.dot(equation, a, b) * c), argnums=(0, 1))(x, w)
   plain = jax.grad(lambda a, b: jnp.sum(
       jnp.einsum(equation, a, b, preferred_element_type=jnp.float32) * c), argnums=(0, 1))(x, w)
   for a, b in zip(ours, plain):

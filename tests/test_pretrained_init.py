@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from rljax.alignment import pipeline
+from rljax.alignment import pipeline, sft
 from rljax.envs.text import data
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,9 +100,9 @@ def test_sft_stage_starts_from_the_pretrained_model(hf_folder, tmp_path, monkeyp
     prompt, response = examples[0]
     tokens = np.asarray([list(prompt) + list(response)])
     calls.append((prefix, tokens, np.asarray(model(tokens)), config.learning_rate))
-    return model, pipeline.sft.fresh_state(model, config), [{f"{prefix}loss": 0.0}]
+    return model, sft.fresh_state(model, config), [{f"{prefix}loss": 0.0}]
 
-  monkeypatch.setattr(pipeline.sft, "train_sft", fake_train_sft)
+  monkeypatch.setattr(sft, "train_sft", fake_train_sft)
   cfg = dataclasses.replace(pipeline.preference_defaults(hf_folder), pretrain_steps=5,
                             sft_steps=2)
   s = pipeline.run_preference(str(path), cfg, logdir=str(tmp_path / "run"), stop_after="sft",
@@ -173,7 +173,7 @@ def test_sft_stage_exports_the_trained_model_for_transformers(tmp_path, monkeypa
   path = tmp_path / "hh.jsonl"
   path.write_text("\n".join(hh_lines()) + "\n")
   trained = []
-  real_train_sft = pipeline.sft.train_sft
+  real_train_sft = sft.train_sft
 
   rates = []
 
@@ -183,7 +183,7 @@ def test_sft_stage_exports_the_trained_model_for_transformers(tmp_path, monkeypa
     rates.append(args[2].learning_rate)
     return out
 
-  monkeypatch.setattr(pipeline.sft, "train_sft", keep_model)
+  monkeypatch.setattr(sft, "train_sft", keep_model)
   cfg = dataclasses.replace(pipeline.PreferenceConfig(), vocab_size=300, pretrain_steps=2,
                             sft_steps=2, hidden_size=32, num_layers=1, sft_lr=7e-4)
   logdir = str(tmp_path / "run")

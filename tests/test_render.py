@@ -28,7 +28,7 @@ TINY = dict(
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   logdir = str(tmp_path_factory.mktemp("render") / "run")
-  trainer.train(ControlConfig(**TINY), logdir, progress=False)
+  trainer.train(ControlConfig().replace(**TINY), logdir, progress=False)
   return logdir
 
 

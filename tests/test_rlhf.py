@@ -1,6 +1,5 @@
 """RLHF trainer (rljax/alignment/rlhf.py) on a tiny LM and the addition task: values, not smoke."""
 
-import dataclasses
 import functools
 
 import jax
@@ -11,6 +10,7 @@ from flax import nnx
 
 from rljax import ppo
 from rljax.alignment import modeling, pipeline, rlhf
+from rljax.alignment import stages as stages_lib
 from rljax.envs.text import arithmetic
 from rljax.models.llm import DecoderLM
 
@@ -251,13 +251,13 @@ def _no_wall(records):
 @pytest.mark.parametrize("stage", ["sft", "rm"])
 def test_stage_interrupted_then_resumed_from_its_saved_state_equals_an_uninterrupted_one(
     stage, tmp_path):
-  """`checkpointing.run_stage`: a SIGTERM after step 3 of 6 saves the stage's state under
+  """`stages_lib.run_stage`: a SIGTERM after step 3 of 6 saves the stage's state under
   ``<logdir>/stages`` (orbax folder + marker); the rerun continues from it and ends with the
   uninterrupted run's parameters, bit for bit, and its records (the step-4 record's window
   spans the interruption); a third run loads the ended stage without training."""
   import os
 
-  from rljax.alignment import checkpointing, sft
+  from rljax.alignment import sft
   from rljax.alignment import reward_model as rm_lib
 
   prompts = [TOK.encode(f"{a}+{b}=") for a in range(4) for b in range(3)]
@@ -303,18 +303,18 @@ def test_stage_interrupted_then_resumed_from_its_saved_state_equals_an_uninterru
 
   m = model()
   with pytest.raises(sft.Interrupted) as e:
-    checkpointing.run_stage(logdir, stage, lambda m, s, c: train(m, s, c, stop_after_3), m,
+    stages_lib.run_stage(logdir, stage, lambda m, s, c: train(m, s, c, stop_after_3), m,
                             lambda: fresh(m, config))
   saved_in = os.path.join(logdir, "stages", f"{stage}-3")
   assert e.value.step == 3 and e.value.saved_in == saved_in
   assert str(e.value) == (f"preempted by SIGTERM during {stage} (after step 3 of 6): "
                           f"its state is saved in {saved_in}, and the same command resumes it")
-  marker = checkpointing.saved_stages(logdir)[stage]
+  marker = stages_lib.saved_stages(logdir)[stage]
   assert (marker["step"], marker["done"], marker["window"]["n"]) == (3, False, 3)
 
   lines = []
   m = model()
-  m, record, ran = checkpointing.run_stage(logdir, stage, train, m, lambda: fresh(m, config),
+  m, record, ran = stages_lib.run_stage(logdir, stage, train, m, lambda: fresh(m, config),
                                            log=lines.append)
   assert ran and lines == [f"{stage}: resuming after step 3 from {saved_in}"]
   for a, b in zip(params(m), params(ref), strict=True):
@@ -327,7 +327,7 @@ def test_stage_interrupted_then_resumed_from_its_saved_state_equals_an_uninterru
     raise AssertionError("the ended stage was trained again")
 
   m = model()
-  m, record, ran = checkpointing.run_stage(logdir, stage, must_not_train, m,
+  m, record, ran = stages_lib.run_stage(logdir, stage, must_not_train, m,
                                            lambda: fresh(m, config), log=lines.append)
   assert not ran and _no_wall([record]) == _no_wall(ref_history[-1:])
   assert lines[-1] == (f"{stage}: loaded the finished stage (6 steps) from "
@@ -338,13 +338,13 @@ def test_stage_interrupted_then_resumed_from_its_saved_state_equals_an_uninterru
 
 @pytest.mark.parametrize("stage", ["sft", "rm"])
 def test_stage_saved_every_n_steps_resumes_after_a_crash_as_if_uninterrupted(stage, tmp_path):
-  """`checkpointing.run_stage(save_every=2)`: the stage's state is saved before steps 3 and 5
+  """`stages_lib.run_stage(save_every=2)`: the stage's state is saved before steps 3 and 5
   (after steps 2 and 4); a crash in step 5 (no SIGTERM, so nothing saved then: a SIGKILL)
   leaves the step-4 save alone under ``<logdir>/stages``, and the rerun continues from it
   with the uninterrupted run's parameters, bit for bit, and its last record."""
   import os
 
-  from rljax.alignment import checkpointing, sft
+  from rljax.alignment import sft
   from rljax.alignment import reward_model as rm_lib
 
   prompts = [TOK.encode(f"{a}+{b}=") for a in range(4) for b in range(3)]
@@ -381,17 +381,17 @@ def test_stage_saved_every_n_steps_resumes_after_a_crash_as_if_uninterrupted(sta
   logdir = str(tmp_path)
   m = model()
   with pytest.raises(RuntimeError, match="killed"):
-    checkpointing.run_stage(logdir, stage, lambda m, s, c: train(m, s, c, crash_at=5), m,
+    stages_lib.run_stage(logdir, stage, lambda m, s, c: train(m, s, c, crash_at=5), m,
                             lambda: fresh(m, config), save_every=2)
   assert saves == [0, 1, 2, 3, 4]
   stages = os.path.join(logdir, "stages")
   assert sorted(os.listdir(stages)) == [f"{stage}-4", f"{stage}.json"]
-  marker = checkpointing.saved_stages(logdir)[stage]
+  marker = stages_lib.saved_stages(logdir)[stage]
   assert (marker["step"], marker["done"], marker["window"]["n"]) == (4, False, 0)
 
   lines, saves[:] = [], []
   m = model()
-  m, record, ran = checkpointing.run_stage(logdir, stage, train, m, lambda: fresh(m, config),
+  m, record, ran = stages_lib.run_stage(logdir, stage, train, m, lambda: fresh(m, config),
                                            save_every=2, log=lines.append)
   assert ran and lines == [f"{stage}: resuming after step 4 from {stages}/{stage}-4"]
   assert saves == [4, 5]  # step 4's state is saved already: not written again
@@ -401,7 +401,7 @@ def test_stage_saved_every_n_steps_resumes_after_a_crash_as_if_uninterrupted(sta
   assert _no_wall([record]) == _no_wall(ref_history[-1:])
   assert sorted(os.listdir(stages)) == [f"{stage}-6-done", f"{stage}.json"]
   with pytest.raises(ValueError, match="stage_checkpoint_every must be >= 0.*got -1"):
-    checkpointing.run_stage(logdir, stage, train, m, lambda: fresh(m, config), save_every=-1)
+    stages_lib.run_stage(logdir, stage, train, m, lambda: fresh(m, config), save_every=-1)
 
 
 def test_stage_record_line():
@@ -427,7 +427,7 @@ def test_unreadable_stage_is_set_aside_and_the_stage_starts_again(damage, tmp_pa
   import os
   import shutil
 
-  from rljax.alignment import checkpointing, sft
+  from rljax.alignment import sft
 
   prompts = [TOK.encode(f"{a}+{b}=") for a in range(4) for b in range(3)]
   examples = [(p, TOK.encode(str(i % 10), add_special_tokens=False) + [TOK.EOS])
@@ -453,7 +453,7 @@ def test_unreadable_stage_is_set_aside_and_the_stage_starts_again(damage, tmp_pa
   logdir = str(tmp_path)
   m = model()
   with pytest.raises(RuntimeError, match="killed"):
-    checkpointing.run_stage(logdir, "sft", lambda m, s, c: train(m, s, c, crash_before_step_5),
+    stages_lib.run_stage(logdir, "sft", lambda m, s, c: train(m, s, c, crash_before_step_5),
                             m, lambda: sft.fresh_state(m, config), save_every=2)
   folder = os.path.join(logdir, "stages", "sft-4")
   records = [{"step": 3, "stage": "pretrain", "pretrain/loss": 2.0},
@@ -471,7 +471,7 @@ def test_unreadable_stage_is_set_aside_and_the_stage_starts_again(damage, tmp_pa
     assert emptied
   lines = []
   m = model()
-  m, _, ran = checkpointing.run_stage(logdir, "sft", lambda m, s, c: train(m, s, c), m,
+  m, _, ran = stages_lib.run_stage(logdir, "sft", lambda m, s, c: train(m, s, c), m,
                                       lambda: sft.fresh_state(m, config), log=lines.append)
   assert ran and len(lines) == 1, lines
   assert lines[0].startswith(f"sft: the saved sft state in {folder} cannot be read (")

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from rljax.alignment import checkpointing
+from rljax.alignment import stages as stages_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "experiments", "train_rlhf.py")
@@ -100,7 +101,7 @@ def test_preference_sigkill_then_resume_is_bitwise_exact(setup, tmp_path):
     assert proc.wait(timeout=300) == 75, proc.stdout.read()
     err.seek(0)
     stderr = err.read()
-  marker = {k: (m["step"], m["done"]) for k, m in checkpointing.saved_stages(logdir).items()}
+  marker = {k: (m["step"], m["done"]) for k, m in stages_lib.saved_stages(logdir).items()}
   assert marker.keys() == {"pretrain", "sft", "rm"} and marker["pretrain"] == marker["sft"] == (
       10, True) and not marker["rm"][1] and marker["rm"][0] < 10, marker
   stages = os.path.join(logdir, "stages")

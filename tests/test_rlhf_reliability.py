@@ -16,6 +16,7 @@ import pytest
 
 from rljax import checkpoint as ckpt
 from rljax.alignment import checkpointing
+from rljax.alignment import stages as stages_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "experiments", "train_rlhf.py")
@@ -233,13 +234,13 @@ def test_sigterm_in_sft_saves_it_resumes_it_and_after_sft_checkpoints_rl_step_0(
     check_stop(should_stop, prefix, step, num_steps)
 
   monkeypatch.setattr(sft, "check_stop", sigterm_at_sft_step_1)
-  save_stage, saves = checkpointing.save_stage, []
+  save_stage, saves = stages_lib.save_stage, []
 
   def recorded_save(logdir, stage, state, *, done, **kw):
     saves.append((stage, state.step, done))
     return save_stage(logdir, stage, state, done=done, **kw)
 
-  monkeypatch.setattr(checkpointing, "save_stage", recorded_save)
+  monkeypatch.setattr(stages_lib, "save_stage", recorded_save)
   lines = []
   with ckpt.SigtermFlag() as flag, pytest.raises(checkpointing.StageInterrupted) as e:
     pipeline.run_embedded(config, logdir=logdir, log=lines.append, sigterm=flag,
@@ -253,7 +254,7 @@ def test_sigterm_in_sft_saves_it_resumes_it_and_after_sft_checkpoints_rl_step_0(
                           f"state is saved in {stages}/sft-1, and the same command resumes it")
   assert steps_run[-1] == ("sft/", 1) and not checkpointing.has_frozen(logdir)
   assert ckpt.newest_step(logdir) is None
-  assert {k: (m["step"], m["done"]) for k, m in checkpointing.saved_stages(logdir).items()} == {
+  assert {k: (m["step"], m["done"]) for k, m in stages_lib.saved_stages(logdir).items()} == {
       "pretrain": (3, True), "sft": (1, False)}
   monkeypatch.setattr(sft, "check_stop", check_stop)
   from rljax.metrics import read_jsonl

@@ -114,7 +114,7 @@ def wandb_history(run_dir):
 
 
 def test_run_info_records_config_versions_and_command(tmp_path):
-  config = ControlConfig(**TINY_PPO)
+  config = ControlConfig().replace(**TINY_PPO)
   argv = ["experiments/train_control.py", "--logdir=x y", "--num_envs=16"]
   path = run_info.write_run_info(str(tmp_path), config, argv=argv, extra={"algo": "ppo"})
   assert path == str(tmp_path / "run_info.json")
@@ -281,7 +281,7 @@ def test_eval_video_callback_rejects_bad_settings_before_building(kwargs, match,
   from rljax.control import eval_video
 
   with pytest.raises(ValueError, match=match):
-    eval_video.eval_video_callback(ControlConfig(**TINY_PPO), str(tmp_path), **kwargs)
+    eval_video.eval_video_callback(ControlConfig().replace(**TINY_PPO), str(tmp_path), **kwargs)
   assert not os.path.exists(tmp_path / "videos")
 
 

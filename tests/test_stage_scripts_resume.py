@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
+from rljax import checkpoint as ckpt
 from rljax.alignment import checkpointing, pipeline, sft
+from rljax.alignment import stages as stages_lib
 from rljax.alignment import reward_model as rm_lib
 from rljax.metrics import read_jsonl
 
@@ -61,23 +63,22 @@ def test_reward_model_run_sigtermed_resumes_exactly_and_a_finished_rerun_trains_
       stage_checkpoint_every=3))
   monkeypatch.setattr(sft, "check_stop", check_stop)
   assert status == checkpointing.EXIT_PREEMPTED == 75
-  assert {k: (m["step"], m["done"]) for k, m in checkpointing.saved_stages(logdir).items()} == {
+  assert {k: (m["step"], m["done"]) for k, m in stages_lib.saved_stages(logdir).items()} == {
       "pretrain": (10, True), "sft": (10, True), "rm": (4, False)}
   assert not os.path.exists(os.path.join(logdir, "hf_model"))
   # Refused: --noresume on it, another config, and an RLHF run in its folder.
   with pytest.raises(ValueError, match=re.escape(
       "already holds a train_reward_model.py run (saved stages: pretrain ended at step 10, sft "
       "ended at step 10, rm stopped after step 4); run the command without --noresume")):
-    pipeline.check_logdir(config, logdir, data=data, resume=False, stop_after="rm")
+    ckpt.check_logdir(logdir, pipeline.saved_run(config, data, stop_after="rm"), resume=False)
   with pytest.raises(ValueError, match=r"different config \(rm_steps \(--num_steps\): saved "
                                        r"10, now 12\)"):
-    pipeline.check_logdir(pipeline.PreferenceConfig(vocab_size=300, pretrain_steps=10,
-                                                    sft_steps=10, rm_steps=12),
-                          logdir, data=data, stop_after="rm",
-                          flag_names={"rm_steps": "--num_steps"})
+    ckpt.check_logdir(logdir, pipeline.saved_run(
+        pipeline.PreferenceConfig(vocab_size=300, pretrain_steps=10, sft_steps=10, rm_steps=12),
+        data, stop_after="rm"), resume=True, flag_names={"rm_steps": "--num_steps"})
   with pytest.raises(ValueError, match=r"holds a train_reward_model.py run, not a train_rlhf.py "
                                        r"--preference_data run \(its .*config.json says so\)"):
-    pipeline.check_logdir(config, logdir, data=data, stop_after="rl")
+    ckpt.check_logdir(logdir, pipeline.saved_run(config, data), resume=True)
 
   lines = []
   s = pipeline.run_preference(data, config, logdir=logdir, stop_after="rm", log=lines.append)

@@ -7,12 +7,14 @@ One step (``RLHFTrainer.step``), each phase timed (``timing/<phase>``)::
     REWARD    : scores [B]  (reward head at the EOS, or a programmatic reward function)
                 + missing-EOS penalty + DAPO overlong penalty
     CRITIC    : values [B, R]                                  (jit; PPO only)
-    update    : one jit, actor and critic states donated:
-                old log-probs recomputed by the actor (same function and minibatch shapes as
-                in the loss, so the first ratio is exactly 1) -> per-token KL (rljax.kl)
+    update    : one jit, actor and critic states donated (rljax.alignment.rlhf_update):
+                old log-probs recomputed by the actor -> per-token KL (rljax.kl)
                 -> token rewards = score at the EOS - beta * KL        (KL in the reward)
-                -> advantages: compute_gae (PPO) | GRPO | RLOO | REINFORCE++ (rljax.ppo)
+                -> advantages by the algorithm (rljax.alignment.advantages)
                 -> ppo_update over {actor, critic}   (penalty_fn for KL in the loss)
+
+`RLHFTrainer.train` runs the steps in the host loop every trainer shares (`rljax.loop`);
+`rljax.alignment.checkpointing.train` adds checkpoints, resume and preemption.
 
 References: Ziegler et al. 2019 (arXiv:1909.08593); Ouyang et al. 2022 (arXiv:2203.02155);
 Shao et al. 2024 GRPO (arXiv:2402.03300); Ahmadian et al. 2024 RLOO (arXiv:2402.14740);
@@ -30,7 +32,6 @@ reward, critic, update, step}``.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -44,190 +45,22 @@ from absl import logging
 from flax import nnx
 
 from rljax import kl as kl_lib
-from rljax import ppo
-from rljax import runtime
-from rljax.checkpoint import NonFiniteHalt  # one exception class for both trainers
+from rljax import loop, nonfinite, ppo, runtime
+from rljax.checkpoint import SigtermFlag
 from rljax.alignment import losses, modeling
 from rljax.alignment.modeling import Role
+from rljax.alignment.rlhf_config import Algorithm, CriticInit, KLPlacement, RLHFConfig
+from rljax.alignment.rlhf_update import cast_floating, make_update_fn
 from rljax.envs.text import data as text_data
+from rljax.nonfinite import NonFiniteHalt
 from rljax.sampling import Sampler, SamplingConfig
 from rljax.sharding import mesh as mesh_lib
 from rljax.sharding import placement as placement_lib
 from rljax.sharding import rules as rules_lib
 
-
-class Algorithm(enum.Enum):
-  """The RL algorithm (`RLHFConfig.algo`); all four use `rljax.ppo.ppo_loss`, they differ in
-  the advantages."""
-
-  PPO = "ppo"                    # critic + GAE
-  GRPO = "grpo"                  # group-relative, std-normalised
-  RLOO = "rloo"                  # leave-one-out baseline
-  REINFORCE_PP = "reinforce_pp"  # token returns, globally whitened
-
-
-class KLPlacement(enum.Enum):
-  """Where the KL penalty to the reference enters (`RLHFConfig.kl_placement`)."""
-
-  REWARD = "reward"  # r_t -= beta * k(x_t)  (use k1 or k3: unbiased values)
-  LOSS = "loss"      # loss += beta * agg(k(x_t))  (use k2: unbiased gradient; GRPO uses k3)
-
-
-class CriticInit(enum.Enum):
-  """What the PPO critic's weights start from (`RLHFConfig.critic_init`)."""
-
-  REWARD = "reward"  # from the reward model (its reward head becomes the value head)
-  ACTOR = "actor"    # from the SFT policy (fresh value head)
-
-
-def _enum(cls, value, name):
-  try:
-    return value if isinstance(value, cls) else cls(value)
-  except ValueError:
-    raise ValueError(f"{name} must be one of {[e.value for e in cls]}, got {value!r}.") from None
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RLHFConfig:
-  """RLHF hyperparameters (one config for all four algorithms).
-
-  Attributes:
-    algo: :class:`Algorithm` (or its string).
-    num_steps: RL steps (> 0).
-    prompts_per_step: prompts sampled per step (> 0).
-    group_size: responses per prompt ``G`` (GRPO/RLOO need >= 2).
-    max_new_tokens: response length ``R`` (> 0).
-    temperature, top_k, top_p: sampling (``rljax.sampling.SamplingConfig``).
-    stop_ids: ids that end a response; empty means the tokenizer's EOS. The missing-EOS
-      penalty uses these ids.
-    actor_lr, critic_lr: Adam learning rates (> 0).
-    max_grad_norm: global-norm clip per role (> 0).
-    kl_coef: initial ``beta`` (>= 0).
-    kl_estimator: ``k1``, ``k2`` or ``k3`` (:class:`rljax.kl.KLEstimator`).
-    kl_placement: ``reward`` or ``loss`` (:class:`KLPlacement`).
-    adaptive_kl: use Ziegler et al.'s adaptive controller with ``kl_target``/``kl_horizon``.
-    gamma, gae_lambda: GAE (PPO) and REINFORCE++ discount.
-    ppo: the shared :class:`rljax.ppo.PPOConfig` (clip, clip-higher, epochs, minibatches,
-      aggregation). ``vf_coef`` weights the critic loss.
-    critic_init: :class:`CriticInit`.
-    grpo_normalize_std: GRPO divides by the group std (False: Dr. GRPO).
-    missing_eos_penalty: subtracted from the score of a response without a stop id (None: off).
-    overlong_buffer: DAPO ``L_cache`` in tokens (0: off); ``L_max = max_new_tokens``.
-    overlong_factor: scale of the overlong penalty.
-    reuse_rollout_log_probs: skip the update's separate old-log-prob forward pass and take the
-      old log-probs from the sampler (its temperature-1 log-probs, equal to the trainer's to
-      float rounding, <= 1e-5 in f32). Needs a single-pass update (``ppo.num_epochs == 1`` and
-      ``ppo.num_minibatches == 1``): the loss then uses ``old + (log pi - stop_grad(log pi))``
-      as the new log-prob, whose value is ``old`` and whose gradient is ``grad log pi``, so the
-      ratio is exactly 1, as in TRL's ``GRPOTrainer`` with ``num_iterations=1`` (old =
-      ``detach(new)``). ``logprob_drift`` is then not measured (NaN).
-    seed: sampling, shuffling and minibatch seed.
-    nonfinite: what a non-finite reward (from ``reward_fn`` or the reward model, penalties
-      included), loss or gradient does (as in ``rljax.control.config.ControlConfig``):
-      ``"skip"`` skips that step's update (actor and critic parameters, optimizer states and
-      the KL controller unchanged; the step, data position and PRNG key advance) with a
-      warning naming the step and the quantity; ``"halt"`` raises
-      :class:`rljax.checkpoint.NonFiniteHalt` after that skipped step
-      (``rljax.alignment.checkpointing.train`` checkpoints its still finite state first).
-      Skips are counted in the ``nonfinite/skipped_updates`` metric.
-    compute_dtype: ``None`` (compute in the parameters' own dtype), ``"float32"`` or
-      ``"bfloat16"``: mixed precision, as TRL/Accelerate's ``bf16=True`` autocast. The
-      floating parameters of every role are cast to this dtype inside each jitted forward
-      (generation, reference, reward, critic and the update's forward and backward), so
-      gradients, parameters and optimizer states stay in their stored dtype (f32 master
-      weights). Log-probs, softmax, norms, the KV cache of an f32 model and the losses stay
-      f32 (``rljax.models.llm``).
-  """
-
-  algo: Algorithm = Algorithm.PPO
-  num_steps: int = 100
-  prompts_per_step: int = 32
-  group_size: int = 1
-  max_new_tokens: int = 16
-  temperature: float = 1.0
-  top_k: int = 0
-  top_p: float = 1.0
-  stop_ids: tuple[int, ...] = ()
-  actor_lr: float = 1e-5
-  critic_lr: float = 1e-4
-  max_grad_norm: float = 1.0
-  kl_coef: float = 0.05
-  kl_estimator: kl_lib.KLEstimator = kl_lib.KLEstimator.K1
-  kl_placement: KLPlacement = KLPlacement.REWARD
-  adaptive_kl: bool = False
-  kl_target: float = 1.0
-  kl_horizon: int = 10_000
-  gamma: float = 1.0
-  gae_lambda: float = 0.95
-  ppo: ppo.PPOConfig = dataclasses.field(
-      default_factory=lambda: ppo.PPOConfig(num_epochs=1, num_minibatches=2, value_clip_eps=0.2))
-  critic_init: CriticInit = CriticInit.ACTOR
-  grpo_normalize_std: bool = True
-  missing_eos_penalty: float | None = None
-  overlong_buffer: int = 0
-  overlong_factor: float = 1.0
-  reuse_rollout_log_probs: bool = False
-  seed: int = 0
-  nonfinite: str = "skip"
-  compute_dtype: str | None = None
-
-  def __post_init__(self):
-    object.__setattr__(self, "algo", _enum(Algorithm, self.algo, "algo"))
-    object.__setattr__(self, "kl_placement", _enum(KLPlacement, self.kl_placement, "kl_placement"))
-    object.__setattr__(self, "kl_estimator",
-                       _enum(kl_lib.KLEstimator, self.kl_estimator, "kl_estimator"))
-    object.__setattr__(self, "critic_init", _enum(CriticInit, self.critic_init, "critic_init"))
-    object.__setattr__(self, "stop_ids", tuple(int(s) for s in self.stop_ids))
-    for name in ("num_steps", "prompts_per_step", "group_size", "max_new_tokens", "kl_horizon"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-    if self.algo in (Algorithm.GRPO, Algorithm.RLOO) and self.group_size < 2:
-      raise ValueError(f"algo={self.algo.value} needs group_size >= 2, got {self.group_size}.")
-    for name in ("actor_lr", "critic_lr", "max_grad_norm", "kl_target"):
-      if not getattr(self, name) > 0:
-        raise ValueError(f"{name} must be > 0, got {getattr(self, name)}.")
-    if self.kl_coef < 0:
-      raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}.")
-    if self.nonfinite not in ("skip", "halt"):
-      raise ValueError(f"nonfinite must be 'skip' or 'halt', got {self.nonfinite!r}.")
-    if self.compute_dtype not in (None, "float32", "bfloat16"):
-      raise ValueError(
-          f"compute_dtype must be None, 'float32' or 'bfloat16', got {self.compute_dtype!r}.")
-    if not 0 <= self.gamma <= 1 or not 0 <= self.gae_lambda <= 1:
-      raise ValueError(f"gamma and gae_lambda must be in [0, 1], got {self.gamma}, {self.gae_lambda}.")
-    if self.missing_eos_penalty is not None and self.missing_eos_penalty < 0:
-      raise ValueError(f"missing_eos_penalty must be >= 0, got {self.missing_eos_penalty}.")
-    if not 0 <= self.overlong_buffer <= self.max_new_tokens:
-      raise ValueError(
-          f"overlong_buffer must be in [0, max_new_tokens={self.max_new_tokens}], got "
-          f"{self.overlong_buffer}.")
-    if self.reuse_rollout_log_probs and (self.ppo.num_epochs, self.ppo.num_minibatches) != (1, 1):
-      raise ValueError(
-          f"reuse_rollout_log_probs needs a single-pass update (ppo.num_epochs == 1 and "
-          f"ppo.num_minibatches == 1), got {self.ppo.num_epochs} x {self.ppo.num_minibatches}.")
-    if self.batch_size % self.ppo.num_minibatches:
-      raise ValueError(
-          f"prompts_per_step * group_size = {self.batch_size} is not divisible by "
-          f"ppo.num_minibatches = {self.ppo.num_minibatches}.")
-    if (self.batch_size // self.ppo.num_minibatches) % self.ppo.num_microbatches:
-      raise ValueError(
-          f"a minibatch's {self.batch_size // self.ppo.num_minibatches} sequences "
-          f"(prompts_per_step * group_size = {self.batch_size} / ppo.num_minibatches = "
-          f"{self.ppo.num_minibatches}) are not divisible by ppo.num_microbatches = "
-          f"{self.ppo.num_microbatches}.")
-
-  @property
-  def batch_size(self) -> int:
-    return self.prompts_per_step * self.group_size
-
-  @property
-  def uses_reference(self) -> bool:
-    """False when ``kl_coef == 0`` with a fixed controller: no KL term, no reference pass."""
-    return self.kl_coef > 0 or self.adaptive_kl
-
-  @property
-  def uses_critic(self) -> bool:
-    return self.algo == Algorithm.PPO
+__all__ = ["Algorithm", "CriticInit", "KLPlacement", "NonFiniteHalt", "RLHFConfig",
+           "RLHFState", "RLHFTrainer", "RewardFn", "Role", "Samples", "cast_floating",
+           "make_update_fn"]
 
 
 @dataclasses.dataclass
@@ -263,147 +96,9 @@ def _critic_from_reward(reward_params):
   return params
 
 
-def cast_floating(tree, dtype):
-  """``tree`` with its floating leaves cast to ``dtype`` (others untouched; ``dtype=None``
-  returns ``tree``). Differentiable: the gradient of a cast f32 leaf is cast back to f32
-  (mixed precision with f32 master weights)."""
-  if dtype is None:
-    return tree
-  dtype = jnp.dtype(dtype)
-  return jax.tree.map(
-      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype
-      else x, tree)
-
-
-def make_update_fn(actor_graphdef, critic_graphdef, optimizer, config: RLHFConfig, *,
-                   out_shardings=None):
-  """The jitted update: ``(ppo_state, batch, key, kl_coef) -> (ppo_state, metrics, extras)``.
-
-  ``batch`` holds ``prompt_tokens, prompt_mask [B, P]``, ``response_tokens, mask [B, R]``,
-  ``ref_log_probs [B, R]``, ``values [B, R]`` (zeros without a critic), ``scores [B]`` and
-  ``sampler_log_probs [B, R]``. ``extras`` returns the computed ``log_probs``, ``advantages``,
-  ``returns`` and ``token_rewards`` for inspection. ``ppo_state`` is donated.
-
-  Non-finite guard: when a score is not finite, or a minibatch's loss or gradient is not
-  (``ppo_update`` skips those minibatches), the returned ``ppo_state`` is the input one,
-  selected in the jit (no host round trip); ``metrics`` then has ``nonfinite/skipped`` = 1
-  and ``nonfinite/reward``, ``nonfinite/loss_or_grad`` say why.
-
-  ``out_shardings`` (optional, ``(ppo_state shardings, metrics sharding, extras sharding)``)
-  pins the output layout on a mesh, so that a step's output state is laid out like its input
-  and the next step does not recompile.
-  """
-  pcfg = config.ppo
-  m = pcfg.num_minibatches * pcfg.num_microbatches  # chunks shaped like one loss part
-
-  def actor_apply(params, mb):
-    return modeling.policy_outputs(actor_graphdef, params, mb["prompt_tokens"], mb["prompt_mask"],
-                                   mb["response_tokens"], mb["mask"])
-
-  reuse = config.reuse_rollout_log_probs
-
-  def apply_fn(params, mb):
-    params = cast_floating(params, config.compute_dtype)
-    lp, ent = actor_apply(params["actor"], mb)
-    if reuse:  # value: the rollout's log-prob (ratio exactly 1); gradient: grad log pi
-      lp = mb["log_probs"] + (lp - jax.lax.stop_gradient(lp))
-    if config.uses_critic:
-      values = modeling.critic_values(critic_graphdef, params["critic"], mb["prompt_tokens"],
-                                      mb["prompt_mask"], mb["response_tokens"], mb["mask"])
-    else:
-      values = jnp.zeros_like(lp)
-    return lp, values, ent
-
-  def penalty_fn(params, mb, log_probs, mask):
-    del params
-    k = kl_lib.kl_estimate(log_probs, mb["ref_log_probs"], config.kl_estimator)
-    term = ppo.aggregate_loss(k, mask, pcfg.loss_aggregation)
-    return mb["kl_coef"] * term, {"kl_loss": term}
-
-  def update(state: ppo.PPOState, batch, key, kl_coef):
-    mask = batch["mask"].astype(jnp.float32)
-    n = mask.shape[0]
-    if reuse:  # the sampler's log-probs; no extra forward pass
-      old_lp = jax.lax.stop_gradient(batch["sampler_log_probs"].astype(jnp.float32) * mask)
-    else:
-      # Old log-probs: the actor's own function on chunks shaped like the loss's (minibatch
-      # or micro-batch) rows, so that at the first minibatch the ratio is exactly 1.
-      chunks = jax.tree.map(lambda x: x.reshape((m, n // m) + x.shape[1:]), batch)
-      old_lp, _ = jax.lax.map(lambda mb: actor_apply(state.params["actor"], mb), chunks)
-      old_lp = jax.lax.stop_gradient(old_lp.reshape(n, -1))
-
-    ref = batch["ref_log_probs"]
-    k_tok = kl_lib.kl_estimate(old_lp, ref, config.kl_estimator) * mask
-    # The logged (and adaptive-controller) KL: per-sequence sum of log pi - log pi_ref (k1),
-    # TRL's objective/kl and Ziegler et al.'s controller input. k3 is unbiased too but heavy-
-    # tailed: a sampled token with log pi = -9.5 and log pi_ref = -1.8 has k3 = 2,113, so a
-    # 64-row batch whose k1 read 0.72 nats read 33.5 with k3 (embedded run, 8 fake devices).
-    kl_seq = jnp.sum(kl_lib.kl_k1(old_lp, ref) * mask, axis=-1)
-    beta_reward = kl_coef if config.kl_placement == KLPlacement.REWARD else 0.0
-    token_rewards = losses.token_level_rewards(batch["scores"], k_tok, mask, kl_coef=beta_reward)
-    values = batch["values"] * mask
-
-    if config.algo == Algorithm.PPO:
-      bootstrap = jnp.pad(values[:, 1:], ((0, 0), (0, 1)))
-      adv, returns = ppo.compute_gae(token_rewards, values, bootstrap, jnp.ones_like(mask), mask,
-                                     gamma=config.gamma, gae_lambda=config.gae_lambda)
-    elif config.algo == Algorithm.REINFORCE_PP:
-      adv = ppo.reinforce_pp_advantages(token_rewards, mask, gamma=config.gamma)
-      returns = jnp.zeros_like(adv)
-    else:
-      seq_reward = jnp.sum(token_rewards, axis=-1)  # score - beta * sum_t k_t
-      if config.algo == Algorithm.GRPO:
-        seq_adv = ppo.group_relative_advantages(seq_reward, group_size=config.group_size,
-                                                normalize_std=config.grpo_normalize_std)
-      else:
-        seq_adv = ppo.rloo_advantages(seq_reward, group_size=config.group_size)
-      adv = ppo.sequence_to_token_advantages(seq_adv, mask)
-      returns = jnp.zeros_like(adv)
-
-    ppo_batch = dict(
-        prompt_tokens=batch["prompt_tokens"], prompt_mask=batch["prompt_mask"],
-        response_tokens=batch["response_tokens"], mask=mask, ref_log_probs=ref,
-        log_probs=old_lp, values=values, advantages=adv, returns=returns,
-        kl_coef=jnp.broadcast_to(kl_coef, (n,)))
-    in_loss = config.kl_placement == KLPlacement.LOSS and config.kl_coef > 0
-    old_state = state
-    state, metrics = ppo.ppo_update(state, ppo_batch, key, apply_fn=apply_fn,
-                                    optimizer=optimizer, config=pcfg,
-                                    penalty_fn=_mean_coef(penalty_fn) if in_loss else None)
-    # Non-finite guard (as in rljax.control.trainer): a non-finite score, loss or gradient
-    # never reaches the actor or critic parameters or the optimizer states.
-    finite_reward = jnp.all(jnp.isfinite(batch["scores"]))
-    finite_update = metrics["nonfinite_steps"] == 0
-    apply = finite_reward & finite_update
-    state = jax.tree.map(lambda new, old: jnp.where(apply, new, old), state, old_state)
-    drift = (jnp.float32(jnp.nan) if reuse
-             else jnp.max(jnp.abs(old_lp - batch["sampler_log_probs"]) * mask))
-    metrics = dict(metrics, kl=jnp.mean(kl_seq), kl_token=ppo.masked_mean(k_tok, mask),
-                   logprob_drift=drift)
-    metrics["nonfinite/reward"] = 1.0 - finite_reward.astype(jnp.float32)
-    metrics["nonfinite/loss_or_grad"] = 1.0 - finite_update.astype(jnp.float32)
-    metrics["nonfinite/skipped"] = 1.0 - apply.astype(jnp.float32)
-    extras = dict(log_probs=old_lp, advantages=adv, returns=returns, token_rewards=token_rewards)
-    return state, metrics, extras
-
-  if out_shardings is None:
-    return jax.jit(update, donate_argnums=(0,))
-  return jax.jit(update, donate_argnums=(0,), out_shardings=out_shardings)
-
-
 def _batch_names(ndim: int) -> tuple[str | None, ...]:
   """Logical names of a per-step array ``[B, ...]``: rows are the batch, the rest unsharded."""
   return ("batch",) + (None,) * (ndim - 1)
-
-
-def _mean_coef(penalty_fn):
-  """Uses the minibatch's (constant) ``kl_coef`` row as the scalar coefficient."""
-
-  def fn(params, mb, log_probs, mask):
-    value, metrics = penalty_fn(params, dict(mb, kl_coef=jnp.mean(mb["kl_coef"])), log_probs, mask)
-    return value, metrics
-
-  return fn
 
 
 class RLHFTrainer:
@@ -640,10 +335,11 @@ class RLHFTrainer:
   def step(self) -> dict[str, float]:
     """One RLHF step; returns its metrics (floats).
 
-    Raises:
-      rljax.checkpoint.NonFiniteHalt: ``config.nonfinite == "halt"`` and this step's
-        update was skipped (a non-finite reward, loss or gradient); ``self.state`` is then the
-        skipped step's (finite) state.
+    A non-finite reward, loss or gradient skips the step's update (``self.state`` keeps the
+    actor, critic, optimizer and KL controller as they were; the step, data position and key
+    advance), counted in ``nonfinite/skipped_updates``; with ``config.nonfinite == "skip"``
+    it is also logged as a warning, and with ``"halt"`` the host loop stops the run after
+    this step (`train`, `rljax.alignment.checkpointing.train`).
     """
     cfg = self.config
     t_step = time.perf_counter()
@@ -733,27 +429,45 @@ class RLHFTrainer:
     rec["nonfinite/skipped_updates"] = float(num_skipped)
     timing["timing/step"] = time.perf_counter() - t_step
     rec.update(timing)
-    if skipped:
-      which = [k.split("/")[1] for k in ("nonfinite/reward", "nonfinite/loss_or_grad")
-               if rec[k] > 0]
-      msg = (f"non-finite {', '.join(which)} at RL step {self.state.step}: update skipped "
-             f"(actor, critic and optimizer states unchanged), {num_skipped} skipped in total")
-      if cfg.nonfinite == "halt":
-        raise NonFiniteHalt(msg)
-      logging.warning(msg)
+    if skipped and cfg.nonfinite == "skip":  # with "halt" the host loop stops the run
+      logging.warning(skip_message(self.state.step, rec, num_skipped))
     return rec
 
   def train(self, *, writer=None, log_every: int = 1, callback=None) -> list[dict[str, float]]:
-    """Runs ``config.num_steps - state.step`` steps; returns the per-step metrics."""
-    history = []
-    while self.state.step < self.config.num_steps:
-      rec = self.step()
-      rec["step"] = self.state.step
-      history.append(rec)
-      if writer is not None and (self.state.step % log_every == 0
-                                 or self.state.step == self.config.num_steps):
-        writer.write(self.state.step, {k: v for k, v in rec.items() if k != "step"},
-                     progress=self.state.step, stage="rl")
-      if callback is not None:
-        callback(rec)
+    """Runs ``config.num_steps - state.step`` steps in the host loop (`rljax.loop.run`), with
+    no checkpoints (`rljax.alignment.checkpointing.train` adds them); returns the per-step
+    metrics. ``writer`` receives every ``log_every``-th record (stage ``rl``) and the last;
+    ``callback(record)`` each record.
+
+    Raises:
+      rljax.nonfinite.NonFiniteHalt: ``config.nonfinite == "halt"`` and an update was
+        skipped.
+    """
+    start = self.state.step
+    with SigtermFlag() as sigterm:
+      _, history = loop.run(
+          loop.LoopSpec(num_steps=self.config.num_steps, log_every=log_every), self.state,
+          self.loop_step, sigterm=sigterm, start=start, writer=writer, stage="rl",
+          on_record=None if callback is None else lambda step, state, rec: callback(rec),
+          watch=self.nonfinite_watch())
     return history
+
+  def loop_step(self, state: RLHFState, step: int) -> tuple[RLHFState, dict[str, float]]:
+    """`step` from ``state`` as the host loop calls it: ``(state, step) -> (state, record)``."""
+    del step
+    self.state = state
+    rec = self.step()
+    return self.state, rec
+
+  def nonfinite_watch(self) -> nonfinite.Watch:
+    """The host loop's non-finite policy for this trainer (`step` warns of skips itself)."""
+    return nonfinite.Watch(self.config.nonfinite, lambda state: state.skipped_updates,
+                           lambda step, state, rec, before, now: skip_message(step, rec, now))
+
+
+def skip_message(step: int, record: dict[str, float], num_skipped: int) -> str:
+  """The message of an RL step whose update the non-finite guard skipped."""
+  which = [k.split("/")[1] for k in ("nonfinite/reward", "nonfinite/loss_or_grad")
+           if record[k] > 0]
+  return (f"non-finite {', '.join(which)} at RL step {step}: update skipped (actor, critic "
+          f"and optimizer states unchanged), {num_skipped} skipped in total")

@@ -293,7 +293,7 @@ class Interrupted(Exception):
     state: the stage's train state at that point (an `SFTState` or
       ``reward_model.RewardModelState``), set by the training loop; None if it is not known.
     saved_in: the folder the state was saved to
-      (:func:`rljax.alignment.checkpointing.run_stage`), else None; the message says which.
+      (:func:`rljax.alignment.stages.run_stage`), else None; the message says which.
   """
 
   def __init__(self, stage: str, step: int, num_steps: int, state=None):
@@ -371,7 +371,7 @@ def train_sft(
       params and optimizer state sharded by its rules, each batch split over its data axes.
     should_stop: ``() -> bool``, asked before every step (e.g. whether SIGTERM came).
     checkpoint: ``(state) -> None``, called with the state before every step, before
-      ``should_stop`` (e.g. `rljax.alignment.checkpointing.run_stage`'s periodic save).
+      ``should_stop`` (e.g. `rljax.alignment.stages.run_stage`'s periodic save).
     log: ``(str) -> None``, receives each logged record as one line (`record_line`).
 
   Raises:

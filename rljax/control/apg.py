@@ -30,40 +30,9 @@ rollout of a *deterministic* policy :math:`a_t = \tanh(\mu_\theta(\bar s_t))`, w
   libraries' auto-reset wrappers), with episode clocks scrambled at the start, as in
   Brax's APG, so that resets are spread over time.
 
-Differentiating MJX. MJX's constraint solver loops with ``lax.while_loop`` until it
-converges, and JAX cannot reverse-differentiate a ``while_loop`` ("Reverse-mode
-differentiation does not work for lax.while_loop or lax.fori_loop with dynamic
-start/stop values"). With ``opt.iterations == 1`` MJX runs exactly one solver iteration
-without the loop, and its line search is a fixed-length ``lax.scan`` of
-``opt.ls_iterations`` steps, both differentiable. `make_differentiable` sets these
-options on the environment's model (Playground: ``env.mjx_model``; Brax: ``env.sys``).
-Brax's ``generalized`` backend is differentiable as it is (its projected-gradient
-solver is unrolled), and Playground's CartpoleSwingup/Balance already ship with
-``iterations=1``.
-
-Accuracy cost of ``iterations=1``. MJX's solver (Newton or conjugate gradient) minimises
-a convex constraint problem (Todorov, 2014, "Convex and analytically-invertible dynamics with
-contacts and constraints"); one iteration leaves it partly unsolved whenever several
-contacts or limits are active at once (one Newton step is exact only for a quadratic
-cost, i.e. while the set of active constraints does not change), so constraint forces,
-and the velocity change they cause in that step, are approximate. Measured here (float32, CPU; 200 steps of
-uniform random actions, one step of each solver setting from every state of a
-reference trajectory, velocity change compared with a 100-iteration solve, steps with
-contact only):
-
-======================  ==================  =================================  ==================
-environment             default iterations  error, default (median / p90)      error, iterations=1
-======================  ==================  =================================  ==================
-playground/CheetahRun   4 (ls 8)            0.0% / 0.0%                        0.0% / 38%
-playground/HopperHop    4 (ls 10)           0.0% / 0.0%                        14% / 61%
-======================  ==================  =================================  ==================
-
-Models without active constraints (pendulum, reacher away from its limits) are
-unaffected, and some ship with ``iterations=1`` already (Playground's cartpole, Brax's
-``ant`` on MJX). Errors compound over a rollout: on CheetahRun the joint positions of
-the two settings differ by up to 0.15 rad after 50 steps of the same actions. So
-training uses the modified model, while evaluation runs on the *unmodified*
-environment, and the reported rewards are those of the real task.
+Differentiating MJX needs a solver without ``while_loop`` (`rljax.control.differentiable`):
+training uses that modified model, while evaluation runs on the *unmodified* environment, so
+the reported rewards are those of the real task (docs/control.md gives the accuracy cost).
 
 Example::
 
@@ -74,7 +43,6 @@ Example::
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import json
@@ -85,17 +53,19 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from flax import nnx
+
+from brax.envs.wrappers import training as brax_training
 
 from rljax import checkpoint as ckpt
-from rljax import envs
+from rljax import envs, loop, running_stats, runtime
 from rljax import metrics as metrics_lib
-from rljax import running_stats
-from rljax import runtime
-from rljax.control import trainer as ppo_trainer
-from rljax.control.config import ConfigError
+from rljax.control import checkpointing
+from rljax.control import networks as networks_lib
+from rljax.control.config import ConfigError, ControlConfig
+from rljax.control.differentiable import has_mjx_model, make_differentiable, solver_options
+from rljax.control.evaluation import run_eval_episodes
+from rljax.control.networks import Networks, policy_apply
 from rljax.models import mlp
 
 Array = jax.Array
@@ -242,9 +212,7 @@ def default_apg_config(env: str) -> APGConfig:
 
 def apg_only_fields() -> tuple[str, ...]:
   """`APGConfig` fields that PPO's ``ControlConfig`` does not have (for script flags)."""
-  from rljax.control.config import ControlConfig
-
-  ppo = {f.name for f in dataclasses.fields(ControlConfig)}
+  ppo = set(ControlConfig().flat())
   return tuple(f.name for f in dataclasses.fields(APGConfig) if f.name not in ppo)
 
 
@@ -269,68 +237,15 @@ def build_apg_config(env: str, overrides: dict[str, Any]) -> APGConfig:
   return default_apg_config(env).replace(**overrides)
 
 
-# -- the differentiable environment -------------------------------------------------------
-
-
-def make_differentiable(env, *, solver_iterations: int | None = 1,
-                        ls_iterations: int | None = None):
-  """A copy of ``env`` whose MJX solver runs a fixed number of iterations.
-
-  Args:
-    env: an unwrapped environment from ``rljax.envs.make`` (Playground ``MjxEnv`` or
-      Brax ``PipelineEnv``).
-    solver_iterations: MJX ``opt.iterations``; with 1 the solver has no ``while_loop``
-      and reverse-mode differentiation works. ``None`` keeps the model's.
-    ls_iterations: MJX ``opt.ls_iterations`` (line-search steps, a fixed-length scan);
-      ``None`` keeps the model's.
-
-  Returns:
-    A shallow copy of ``env`` with the changed model; ``env`` itself is unchanged.
-    Brax environments on the ``generalized``, ``positional`` or ``spring`` backends
-    are returned as they are (their solvers are already differentiable).
-
-  Raises:
-    TypeError: an environment whose model cannot be found.
-  """
-  changes = {}
-  if solver_iterations is not None:
-    changes["opt.iterations"] = int(solver_iterations)
-  if ls_iterations is not None:
-    changes["opt.ls_iterations"] = int(ls_iterations)
-  if not changes:
-    return env
-  if envs._is_playground(env):
-    new = copy.copy(env)
-    # Playground's environments read their model from ``self.mjx_model``, a property
-    # over this attribute; there is no public setter.
-    new._mjx_model = env.mjx_model.tree_replace(changes)
-    if solver_iterations is not None and new.mjx_model.opt.iterations != solver_iterations:
-      raise TypeError("could not change the Playground environment's mjx_model.")
-    return new
-  if hasattr(env, "sys") and hasattr(env, "backend"):
-    if env.backend != "mjx":
-      return env
-    new = copy.copy(env)
-    new.sys = env.sys.tree_replace(changes)
-    return new
-  raise TypeError(f"make_differentiable needs a Playground or Brax environment, got {type(env)}.")
-
-
-def solver_options(env) -> dict[str, int]:
-  """``{"iterations": ..., "ls_iterations": ...}`` of an unwrapped MJX environment's model."""
-  model = env.mjx_model if envs._is_playground(env) else env.sys
-  return {"iterations": int(model.opt.iterations), "ls_iterations": int(model.opt.ls_iterations)}
-
-
 # -- the loss --------------------------------------------------------------------------------
 
 
-def deterministic_action(networks: ppo_trainer.Networks, params, obs_stats, obs: Array) -> Array:
+def deterministic_action(networks: Networks, params, obs_stats, obs: Array) -> Array:
   """``obs [..., D] -> tanh(loc) [..., A]``: the policy MLP's mean, squashed.
 
   The same function as ``trainer.load_policy(..., deterministic=True)``.
   """
-  loc, _ = ppo_trainer.policy_apply(networks, params, running_stats.normalize(obs_stats, obs))
+  loc, _ = policy_apply(networks, params, running_stats.normalize(obs_stats, obs))
   return jnp.tanh(loc)
 
 
@@ -341,7 +256,7 @@ def discount_weights(horizon_length: int, gamma: float) -> Array:
 
 
 def apg_loss(params, obs_stats: running_stats.RunningStats, env_state, *, env,
-             networks: ppo_trainer.Networks, horizon_length: int, segment_length: int,
+             networks: Networks, horizon_length: int, segment_length: int,
              gamma: float = 1.0):
   """Negative discounted mean reward of an ``H``-step rollout, differentiable in ``params``.
 
@@ -457,7 +372,7 @@ class APGTrainer:
   """The compiled pieces of an APG run; build with `make_apg_trainer`."""
 
   config: APGConfig
-  networks: ppo_trainer.Networks
+  networks: Networks
   env: Any
   eval_env: Any
   optimizer: optax.GradientTransformation
@@ -469,6 +384,14 @@ class APGTrainer:
   @property
   def env_steps_per_chunk(self) -> int:
     return self.updates_per_chunk * self.config.env_steps_per_update
+
+  def checkpoint_items(self, chunk: int, state) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The checkpoint's items (`rljax.control.checkpointing`, the PPO trainer's layout) of
+    ``state = (APGState, env_state)`` after ``chunk`` chunks."""
+    apg_state, env_state = state
+    return checkpointing.policy_item(apg_state), checkpointing.train_item(
+        env_state, chunk * self.env_steps_per_chunk, opt_state=apg_state.opt_state,
+        key=apg_state.key, update=apg_state.update)
 
   def init(self, params) -> tuple[APGState, Any]:
     """The state at step 0 from policy ``params``: ``(APGState, env_state)`` with the
@@ -541,7 +464,7 @@ class APGTrainer:
     n_steps = self.episode_length // c.action_repeat
 
     def run(params, obs_stats, key):
-      return ppo_trainer.run_eval_episodes(
+      return run_eval_episodes(
           self.eval_env, jax.random.split(key, c.num_eval_envs),
           lambda obs, _: deterministic_action(networks, params, obs_stats, obs),
           num_steps=n_steps)
@@ -557,8 +480,6 @@ def make_apg_trainer(config: APGConfig, params_key: Array | None = None):
     rljax.envs.UnknownEnvError: unknown ``config.env``.
     ValueError: non-flat observations.
   """
-  from brax.envs.wrappers import training as brax_training
-
   env = envs.make(config.env, **dict(config.env_kwargs))
   episode_length = config.episode_length or envs.default_episode_length(config.env)
   diff_env = make_differentiable(env, solver_iterations=config.solver_iterations,
@@ -568,29 +489,25 @@ def make_apg_trainer(config: APGConfig, params_key: Array | None = None):
   eval_env = brax_training.EvalWrapper(
       envs.wrap_for_training(env, episode_length=episode_length,
                              action_repeat=config.action_repeat))
-  net_config = mlp.ActorCriticConfig(
-      observation_size=ppo_trainer._obs_size(env),
-      action_size=int(env.action_size),
-      policy_hidden=config.policy_hidden,
-      value_hidden=(),  # unused by APG; kept so PPO's load_policy/export read the checkpoint
-      activation=config.activation,
-  )
+  # No value network (APG has none); the actor-critic keeps load_policy and export reading
+  # APG checkpoints as PPO's.
+  net_config = networks_lib.actor_critic_config(
+      env, policy_hidden=config.policy_hidden, value_hidden=(), activation=config.activation)
   if params_key is None:
     params_key = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)
-  model = mlp.ActorCritic(net_config, rngs=nnx.Rngs(params=params_key))
-  graphdef, params = nnx.split(model, nnx.Param)
+  networks, params = networks_lib.make_networks(net_config, params_key)
   num_chunks = max(config.num_evals - 1, 1)
   updates_per_chunk = max(math.ceil(config.num_updates / num_chunks), 1)
   trainer = APGTrainer(
       config=config,
-      networks=ppo_trainer.Networks(graphdef, net_config),
+      networks=networks,
       env=train_env,
       eval_env=eval_env,
       optimizer=make_optimizer(config),
       updates_per_chunk=updates_per_chunk,
       num_chunks=num_chunks,
       episode_length=episode_length,
-      train_solver=solver_options(diff_env) if _has_mjx_model(diff_env) else None,
+      train_solver=solver_options(diff_env) if has_mjx_model(diff_env) else None,
   )
   return trainer, params
 
@@ -609,17 +526,23 @@ class APGResult(NamedTuple):
   """
 
   state: APGState
-  networks: ppo_trainer.Networks
+  networks: Networks
   history: list[dict[str, float]]
   wall_s: float
   compile_s: float
   resumed_from: int | None = None  # the chunk a resumed run restarted after, else None
 
 
+def saved_run(config: APGConfig) -> ckpt.SavedRun:
+  """An APG run of ``config`` as ``config.json`` records it (`rljax.checkpoint.check_logdir`)."""
+  return ckpt.SavedRun(section="apg", config_json=json.loads(config.to_json()),
+                       defaults=ckpt.dataclass_defaults(APGConfig))
+
+
 def train_apg(config: APGConfig, logdir: str | None = None, *, progress: bool = True,
               checkpoints: bool = True, resume: bool = True,
               log: Callable[[str], None] = print) -> APGResult:
-  """Trains ``config`` with APG; evaluation, logging and checkpoints in the host loop.
+  """Trains ``config`` with APG in the shared host loop (`rljax.loop.run`).
 
   Writes to ``logdir`` (if given): ``metrics.jsonl`` (``step``, ``env_steps``,
   ``eval/episode_reward``, ``loss``, ``grad_norm``, ``sps``, ``timing/*``),
@@ -631,8 +554,8 @@ def train_apg(config: APGConfig, logdir: str | None = None, *, progress: bool = 
   a checkpoint of the full state (policy, optimizer, normaliser, key, update count and the
   environment state); with ``resume`` (default) the run continues from the newest readable
   one and ends bitwise equal to an uninterrupted run. On SIGTERM the current chunk finishes,
-  is checkpointed, and `rljax.control.trainer.Preempted` is raised (during start-up: the
-  first chunk).
+  is checkpointed, and `rljax.preemption.Preempted` is raised (during start-up: before the
+  first evaluation, with nothing new to save).
 
   Returns:
     `APGResult`.
@@ -641,124 +564,82 @@ def train_apg(config: APGConfig, logdir: str | None = None, *, progress: bool = 
     rljax.envs.UnknownEnvError: unknown environment, before anything compiles.
     ValueError: ``logdir`` holds checkpoints of another config, or holds checkpoints and
       ``resume`` is False.
-    rljax.control.trainer.Preempted: SIGTERM was received; the state is checkpointed.
+    rljax.preemption.Preempted: SIGTERM was received; the state is checkpointed.
   """
   t_start = time.perf_counter()
-  # From the start: a SIGTERM during start-up stops the run after its first chunk's checkpoint.
   with ckpt.SigtermFlag() as sigterm:
-    return _train_apg(config, logdir, progress=progress, checkpoints=checkpoints,
-                      resume=resume, log=log, t_start=t_start, sigterm=sigterm)
+    use_ckpt = logdir is not None and checkpoints
+    newest = ckpt.check_logdir(logdir, saved_run(config), resume=resume) if use_ckpt else None
+    trainer, params = make_apg_trainer(config)
+    state = trainer.init(params)
+    saver, start, resumed_from, history = None, 0, None, []
+    if use_ckpt:
+      checkpointing.write_config(logdir, "apg", config, trainer.networks.config, algo="apg",
+                                 train_solver=trainer.train_solver)
+      saver = loop.Checkpoints(
+          logdir, keep=config.keep_checkpoints,
+          items=trainer.checkpoint_items, from_items=_from_items)
+      restored = saver.restore(state, log=log) if newest is not None else None
+      if restored is not None:
+        start, state = restored
+        resumed_from = start
+      history = checkpointing.resume_history(logdir, resumed_from, num_chunks=trainer.num_chunks,
+                                             env_steps=start * trainer.env_steps_per_chunk,
+                                             log=log)
+    writer = None
+    if logdir is not None and start < trainer.num_chunks:
+      writer = metrics_lib.MetricsWriter(
+          logdir, total=trainer.num_chunks * trainer.env_steps_per_chunk if progress else None,
+          console_keys=("eval/episode_reward", "sps"))
+    eval_key = jax.random.PRNGKey(config.seed + 10_000)
+    train_s: list[float] = []  # the first two chunks' times estimate the compile time
 
+    def step_fn(state, chunk: int):
+      t0 = time.perf_counter()
+      apg_state, env_state, metrics = trainer.train_chunk(*state)
+      record = {k: float(v) for k, v in jax.device_get(metrics).items()}
+      train_s.append(time.perf_counter() - t0)
+      record.update({"sps": trainer.env_steps_per_chunk / train_s[-1],
+                     "timing/train_s": train_s[-1],
+                     "env_steps": chunk * trainer.env_steps_per_chunk})
+      return (apg_state, env_state), record
 
-def _train_apg(config: APGConfig, logdir: str | None, *, progress: bool, checkpoints: bool,
-               resume: bool, log: Callable[[str], None], t_start: float,
-               sigterm: ckpt.SigtermFlag) -> APGResult:
-  """`train_apg`'s body, with its SIGTERM flag installed."""
-  use_ckpt = logdir is not None and checkpoints
-  newest = (ppo_trainer.check_logdir(logdir, config, resume=resume, section="apg")
-            if use_ckpt else None)
-  trainer, params = make_apg_trainer(config)
-  state, env_state = trainer.init(params)
-  history: list[dict[str, float]] = []
-  env_steps, start_chunk, resumed_from, manager = 0, 0, None, None
-  if use_ckpt:
-    ckpt.write_json_atomic(
-        os.path.join(ckpt.checkpoint_dir(logdir), ckpt.CONFIG_FILE),
-        {"algo": "apg", "apg": json.loads(config.to_json()),
-         "network": dataclasses.asdict(trainer.networks.config),
-         "train_solver": trainer.train_solver},
-    )
-    manager = ckpt.make_manager(logdir, max_to_keep=config.keep_checkpoints)
-    restored = (ckpt.restore(manager, *_items(state, env_state, 0), log=log)
-                if newest is not None else None)
-    if restored is not None:
-      start_chunk, policy_item, train_item = restored
-      state, env_state = _from_items(state, env_state, policy_item, train_item)
-      env_steps, resumed_from = int(train_item["env_steps"]), start_chunk
-    history = ppo_trainer.resume_history(logdir, resumed_from, num_chunks=trainer.num_chunks,
-                                         env_steps=env_steps, log=log)
-  writer = None
-  if logdir is not None and start_chunk < trainer.num_chunks:
-    writer = metrics_lib.MetricsWriter(
-        logdir, total=trainer.num_chunks * trainer.env_steps_per_chunk if progress else None,
-        console_keys=("eval/episode_reward", "sps"))
-  eval_key = jax.random.PRNGKey(config.seed + 10_000)
+    def evaluate(state, chunk: int) -> dict[str, float]:
+      s = state[0]
+      metrics = trainer.evaluate(s.params, s.obs_stats, jax.random.fold_in(eval_key, chunk))
+      return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
-  def record_eval(step: int, record: dict[str, Any]):
-    record = {k: float(v) for k, v in record.items()}
-    record["env_steps"] = env_steps
-    record["timing/wall_s"] = time.perf_counter() - t_start
-    history.append(dict(record, step=step))
-    if writer is not None:
-      writer.write(step, record, progress=env_steps)
-
-  evaluate = lambda s, i: jax.device_get(
-      trainer.evaluate(s.params, s.obs_stats, jax.random.fold_in(eval_key, i)))
-  compile_s = 0.0
-  if start_chunk == 0:
-    t0 = time.perf_counter()
-    ev = evaluate(state, 0)
-    compile_s = time.perf_counter() - t0
-    record_eval(0, dict(ev, **{"timing/eval_s": compile_s, "sps": 0.0}))
-  first_train_s = None
-  for chunk in range(start_chunk + 1, trainer.num_chunks + 1):
-    t0 = time.perf_counter()
-    state, env_state, train_metrics = trainer.train_chunk(state, env_state)
-    train_metrics = jax.device_get(train_metrics)
-    train_s = time.perf_counter() - t0
-    if first_train_s is None:
-      first_train_s = train_s
-    elif chunk == start_chunk + 2:
-      compile_s += max(first_train_s - train_s, 0.0)
-    env_steps += trainer.env_steps_per_chunk
-    t1 = time.perf_counter()
-    ev = evaluate(state, chunk)
-    record = dict(train_metrics)
-    record.update(ev)
-    record.update({"sps": trainer.env_steps_per_chunk / train_s, "timing/train_s": train_s,
-                   "timing/eval_s": time.perf_counter() - t1})
-    record_eval(chunk, record)
-    if manager is not None:
-      ckpt.save(manager, chunk, *_items(state, env_state, env_steps))
-    if chunk < trainer.num_chunks and sigterm.any_process():
+    spec = loop.LoopSpec(num_steps=trainer.num_chunks, unit="chunk", evaluate_first=True)
+    try:
+      state, history = loop.run(
+          spec, state, step_fn, sigterm=sigterm, start=start, logdir=logdir,
+          checkpoints=saver, evaluate=evaluate, writer=writer,
+          progress=lambda step, record: record["env_steps"], history=history,
+          first_record={"sps": 0.0, "env_steps": 0}, wall_clock_start=t_start)
+    finally:
       if writer is not None:
         writer.close()
-      if manager is not None:
-        manager.close()
-      raise ppo_trainer.Preempted(chunk, str(logdir))
-
+      if saver is not None:
+        saver.close()
   wall_s = time.perf_counter() - t_start
+  # The evaluation before training compiles the evaluation; the first chunk's excess over the
+  # second is its compile.
+  compile_s = history[0]["timing/eval_s"] if start == 0 and history else 0.0
+  if len(train_s) > 1:
+    compile_s += max(train_s[0] - train_s[1], 0.0)
   if writer is not None:
-    writer.close()
     metrics_lib.plot_learning_curve(writer.jsonl_path, os.path.join(logdir, "learning_curve.png"),
                                     title=f"{config.env} (APG, rljax)")
-  if manager is not None:
-    manager.close()
-  return APGResult(state, trainer.networks, history, wall_s, compile_s, resumed_from)
+  return APGResult(state[0], trainer.networks, history, wall_s, compile_s, resumed_from)
 
 
-def _items(state: APGState, env_state, env_steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
-  """The checkpoint's ``policy`` item (what `load_policy` reads, as the PPO trainer saves it)
-  and ``train_state`` item (the rest of the state, the environments' included)."""
-  return (ppo_trainer._policy_item(state),  # reads .params and .obs_stats, as APGState has
-          {"opt_state": state.opt_state, "key": state.key, "update": state.update,
-           "env_steps": np.asarray(env_steps, np.int64),
-           "env_state": ckpt.to_saveable(env_state)})
-
-
-def _from_items(state: APGState, env_state, policy: dict, train_item: dict
-                ) -> tuple[APGState, Any]:
+def _from_items(state, policy: dict, train: dict):
   """The state a checkpoint's items hold, in the structure of ``(state, env_state)``."""
-  params = state.params
-  nnx.replace_by_pure_dict(params, policy["params"])
-  return (APGState(params=params, opt_state=train_item["opt_state"],
-                   obs_stats=running_stats.RunningStats(**policy["obs_stats"]),
-                   key=train_item["key"], update=train_item["update"]),
-          ckpt.from_saveable(env_state, train_item["env_state"]))
-
-
-def _has_mjx_model(env) -> bool:
-  return envs._is_playground(env) or getattr(env, "backend", None) == "mjx"
+  apg_state, env_state = state
+  params, obs_stats = checkpointing.restored_params(apg_state.params, policy)
+  return (APGState(params=params, opt_state=train["opt_state"], obs_stats=obs_stats,
+                   key=train["key"], update=train["update"]),
+          ckpt.from_saveable(env_state, train["env_state"]))
 
 
 __all__ = [

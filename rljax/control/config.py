@@ -1,4 +1,12 @@
-"""Configuration of the control PPO trainer, with bundled per-environment defaults."""
+"""Configuration of the control PPO trainer, with bundled per-environment defaults.
+
+`ControlConfig` nests the shared `rljax.ppo.PPOConfig` (clip range, coefficients, epochs and
+minibatches) as ``ppo``, as `rljax.alignment.rlhf.RLHFConfig` does, and adds what the control
+side needs: environments, sizes, networks, optimizer, discounting and evaluation.
+`ControlConfig.replace` also takes the nested PPO fields by name
+(``config.replace(num_minibatches=4)``), which is how the bundled defaults and the
+script's flags are applied.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +17,8 @@ from typing import Any
 
 import jax
 
-from rljax import runtime
+from rljax import checkpoint as ckpt
+from rljax import nonfinite, runtime
 from rljax.models.mlp import BRAX_INIT_STD as _BRAX_INIT_STD
 from rljax.models.mlp import ActorCriticConfig as _ActorCriticConfig
 from rljax.ppo import LossAggregation, PPOConfig
@@ -53,30 +62,25 @@ class ControlConfig:
     unroll_length: steps per trajectory segment (``T``).
     batch_size: segments per iteration; a multiple of ``num_envs``, divisible by
       ``num_minibatches``. ``0`` means ``num_envs``.
-    num_minibatches: minibatches per epoch.
-    num_epochs: passes over each batch.
-    num_microbatches: parts each minibatch's gradient is accumulated over
-      (`rljax.ppo.PPOConfig.num_microbatches`); must divide the segments per minibatch.
-      The same update up to floating-point reassociation.
+    ppo: the shared PPO settings (`rljax.ppo.PPOConfig`): ``clip_eps``, ``vf_coef``,
+      ``entropy_coef`` (Brax's ``entropy_cost``), ``normalize_advantages`` (per minibatch),
+      ``num_epochs`` (Brax's ``num_updates_per_batch``), ``num_minibatches`` (per epoch),
+      ``num_microbatches`` (parts each minibatch's gradient is accumulated over; the same
+      update up to floating-point reassociation) and the rest; the loss is a token mean (one
+      token per environment step).
     learning_rate: Adam step size.
     lr_schedule: ``"constant"``, ``"linear"`` (to 0 at the end) or ``"cosine"``.
     max_grad_norm: global gradient-norm clip (``None``: no clipping, as in Brax).
     gamma: discount (``discounting`` in Brax).
     gae_lambda: GAE lambda.
-    clip_eps: PPO ratio clip.
-    vf_coef: value loss weight.
-    entropy_coef: entropy bonus weight (``entropy_cost`` in Brax).
     reward_scaling: rewards are multiplied by this for training.
     normalize_observations: keep running observation statistics.
     obs_stats_before_update: fold each rollout's observations into the statistics before
       that iteration's update (Brax's order), so the update normalises its batch with
       statistics that include it; the first minibatch's probability ratios then differ
-      from 1 by the normaliser's change. ``False`` (default) folds them in after the update.
-      Brax's order raised CheetahRun's final eval reward at Brax's settings and lowered
-      CheetahRun's and CartpoleBalance's at rljax's default settings (README,
-      ``benchmarks/HISTORY.md``, stop 22); the default also keeps the first minibatch's
-      ratios at exactly 1.
-    normalize_advantages: whiten advantages per minibatch.
+      from 1 by the normaliser's change. ``False`` (default) folds them in after the update,
+      so the update normalises with the statistics the rollout was sampled under and the
+      first minibatch's ratios are exactly 1.
     policy_hidden / value_hidden / activation: network sizes.
     init_std: the policy's pre-tanh standard deviation where its scale output is 0
       (at initialisation). Brax's networks correspond to ``mlp.BRAX_INIT_STD`` (0.694).
@@ -98,35 +102,29 @@ class ControlConfig:
       run after checkpointing the (still finite) state. Skips are counted in the
       ``nonfinite/skipped_updates`` metric.
     overlap_value_update: update the value network on a second thread while the next
-      rollout runs (`rljax.control.trainer.OverlappedChunk`); the same PPO up to
-      floating-point rounding, faster where the physics leaves a core idle (MJX on
-      CPU). Needs ``max_grad_norm=None`` (a global clip couples the two networks'
-      steps). Used with one process on one device; elsewhere the chunk is one program.
+      rollout runs (`rljax.control.host_chunks.OverlappedChunk`); the same PPO up to
+      floating-point rounding, faster where the physics leaves a core idle (MJX on CPU).
+      Needs ``max_grad_norm=None`` (a global clip couples the two networks' steps). Used with
+      one process on one device; elsewhere the chunk is one program.
     env_threads: host threads that step the environments: each iteration's rollout runs as
-      ``env_threads`` copies of one compiled program, each stepping ``num_envs /
-      env_threads`` of the environments on its own thread, followed by one program for the
-      update (`rljax.control.trainer.ThreadedChunk`). XLA:CPU runs one program's MJX physics
-      on one core (a loop body's independent operations run one after another), so on 2
-      cores two threads step about twice as many environments per second (2-core CPU:
-      brax/ant 17.2k -> 35.7k, CheetahRun 49.1k -> 96.4k, CartpoleBalance 0.73M -> 1.38M
-      random-action steps/s; ``benchmarks/HISTORY.md``, stop 45). Each thread draws the
-      same action noise as the one-program rollout gives its rows, so the run is the
-      one-program run's up to floating-point rounding (the physics' at another batch size,
-      the update's in a program of its own). ``0`` (default) chooses: on CPU with one device
-      and one process, the most threads up to the usable cores that divide ``num_envs``
-      with at least `MIN_ENVS_PER_THREAD` environments each (unless
-      ``overlap_value_update``, which then runs instead); elsewhere 1. ``1``: one program
+      ``env_threads`` calls of one compiled program, each stepping ``num_envs /
+      env_threads`` of the environments from its own thread, followed by one program for the
+      update (`rljax.control.host_chunks.ThreadedChunk`). XLA:CPU runs one program's MJX
+      physics on one core, so on CPU the threads step several times as many environments per
+      second. Each thread draws the action noise the one-program rollout gives its rows, so
+      the run is the one-program run up to floating-point rounding. ``0`` (default) chooses
+      (`resolve_env_threads`): on CPU with one device and one process, the most threads up to
+      the usable cores that divide ``num_envs`` with at least `MIN_ENVS_PER_THREAD`
+      environments each (unless ``overlap_value_update``); elsewhere 1. ``1``: one program
       per chunk. Must divide ``num_envs``; more than 1 needs one device, one process and
       ``overlap_value_update=False``.
     gae_per_minibatch: compute GAE inside each minibatch's loss, from the value forward the
-      loss makes anyway and the value network as that SGD step finds it (Brax's PPO does
-      this), instead of once per iteration before the update from the rollout's value
-      network. It saves one value-network pass over the whole batch per iteration (timed
-      alone, 9% of an iteration at Brax's CartpoleBalance settings; the whole chunk ran
-      2-3% faster) and changes the algorithm: later minibatches see advantages from a
-      partly trained value network (there it learnt less). Truncated steps still
-      bootstrap from the truncated state's value. Off by default. Not with
-      ``overlap_value_update`` or ``num_microbatches > 1``.
+      loss makes anyway and the value network as that SGD step finds it (as Brax's PPO
+      does), instead of once per iteration before the update from the rollout's value
+      network. It saves one value-network pass over the batch per iteration and changes the
+      algorithm: later minibatches see advantages from a partly trained value network.
+      Truncated steps still bootstrap from the truncated state's value. Off by default. Not
+      with ``overlap_value_update`` or ``num_microbatches > 1``.
   """
 
   env: str = "playground/CartpoleBalance"
@@ -134,21 +132,16 @@ class ControlConfig:
   num_envs: int = 256
   unroll_length: int = 32
   batch_size: int = 0
-  num_minibatches: int = 8
-  num_epochs: int = 4
-  num_microbatches: int = 1
+  ppo: PPOConfig = dataclasses.field(
+      default_factory=lambda: PPOConfig(entropy_coef=1e-2, num_minibatches=8))
   learning_rate: float = 3e-4
   lr_schedule: str = "constant"
   max_grad_norm: float | None = None
   gamma: float = 0.99
   gae_lambda: float = 0.95
-  clip_eps: float = 0.2
-  vf_coef: float = 0.5
-  entropy_coef: float = 1e-2
   reward_scaling: float = 1.0
   normalize_observations: bool = True
   obs_stats_before_update: bool = False
-  normalize_advantages: bool = True
   policy_hidden: tuple[int, ...] = (32, 32, 32, 32)
   value_hidden: tuple[int, ...] = (256, 256, 256, 256, 256)
   activation: str = "swish"
@@ -168,9 +161,14 @@ class ControlConfig:
   gae_per_minibatch: bool = False
 
   def __post_init__(self):
+    if not isinstance(self.ppo, PPOConfig):
+      raise ConfigError(f"ppo must be an rljax.ppo.PPOConfig, got {self.ppo!r}.")
+    if self.ppo.loss_aggregation != LossAggregation.TOKEN_MEAN:
+      raise ConfigError(f"ppo.loss_aggregation must be token_mean for control (one token per "
+                        f"environment step), got {self.ppo.loss_aggregation.value!r}.")
     positive_ints = (
-        "num_timesteps", "num_envs", "unroll_length", "num_minibatches", "num_epochs",
-        "num_microbatches", "action_repeat", "num_evals", "num_eval_envs",
+        "num_timesteps", "num_envs", "unroll_length", "action_repeat", "num_evals",
+        "num_eval_envs",
     )  # fmt: skip
     for name in positive_ints:
       value = getattr(self, name)
@@ -182,8 +180,7 @@ class ControlConfig:
         raise ConfigError(f"{name} must be a non-negative integer, got {value!r}.")
     if not self.learning_rate > 0:
       raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate!r}.")
-    if self.nonfinite not in ("skip", "halt"):
-      raise ConfigError(f"nonfinite must be 'skip' or 'halt', got {self.nonfinite!r}.")
+    nonfinite.check_policy(self.nonfinite, ConfigError)
     if self.lr_schedule not in ("constant", "linear", "cosine"):
       raise ConfigError(
           f"lr_schedule must be 'constant', 'linear' or 'cosine', got {self.lr_schedule!r}."
@@ -211,12 +208,12 @@ class ControlConfig:
     if self.gae_per_minibatch and self.overlap_value_update:
       raise ConfigError(
           "gae_per_minibatch needs overlap_value_update=False (the overlapped value update "
-          f"trains on advantages computed before it), got overlap_value_update=True.",
+          "trains on advantages computed before it), got overlap_value_update=True.",
           fields=("overlap_value_update",))
-    if self.gae_per_minibatch and self.num_microbatches != 1:
+    if self.gae_per_minibatch and self.ppo.num_microbatches != 1:
       raise ConfigError(
           f"gae_per_minibatch needs num_microbatches=1 (advantages are whitened over the whole "
-          f"minibatch), got num_microbatches={self.num_microbatches}.",
+          f"minibatch), got num_microbatches={self.ppo.num_microbatches}.",
           fields=("num_microbatches",))
     min_std = _ActorCriticConfig.min_std  # the network's floor; checked here before compiling
     if not self.init_std > min_std:
@@ -239,18 +236,18 @@ class ControlConfig:
           f"batch_size={batch} must be a multiple of num_envs={self.num_envs} "
           f"(each unroll steps all environments once).",
           fields=("batch_size", "num_envs"))
-    if batch % self.num_minibatches:
+    minibatches, microbatches = self.ppo.num_minibatches, self.ppo.num_microbatches
+    if batch % minibatches:
       raise ConfigError(
           f"the batch of {batch} segments ({batch_src}) is not divisible by "
-          f"num_minibatches={self.num_minibatches}.",
+          f"num_minibatches={minibatches}.",
           fields=(*batch_fields, "num_minibatches"))
-    if (batch // self.num_minibatches) % self.num_microbatches:
+    if (batch // minibatches) % microbatches:
       raise ConfigError(
-          f"a minibatch of {batch // self.num_minibatches} segments is not divisible by "
-          f"num_microbatches={self.num_microbatches}: {batch} segments a batch ({batch_src}) "
-          f"over num_minibatches={self.num_minibatches}.",
+          f"a minibatch of {batch // minibatches} segments is not divisible by "
+          f"num_microbatches={microbatches}: {batch} segments a batch ({batch_src}) "
+          f"over num_minibatches={minibatches}.",
           fields=("num_microbatches", *batch_fields, "num_minibatches"))
-    self.ppo  # validates the PPO fields
 
   @property
   def segments_per_iteration(self) -> int:
@@ -277,40 +274,62 @@ class ControlConfig:
     total_iterations = max(math.ceil(self.num_timesteps / self.env_steps_per_iteration), 1)
     return num_chunks, max(math.ceil(total_iterations / num_chunks), 1)
 
-  @property
-  def ppo(self) -> PPOConfig:
-    """The `rljax.ppo.PPOConfig` of these fields (token-mean loss: one token per step).
-
-    Raises:
-      ValueError: a PPO field out of range (from ``PPOConfig``).
-    """
-    return PPOConfig(
-        clip_eps=self.clip_eps,
-        vf_coef=self.vf_coef,
-        entropy_coef=self.entropy_coef,
-        normalize_advantages=self.normalize_advantages,
-        loss_aggregation=LossAggregation.TOKEN_MEAN,
-        num_epochs=self.num_epochs,
-        num_minibatches=self.num_minibatches,
-        num_microbatches=self.num_microbatches,
-    )
-
   def to_json(self) -> str:
-    """Every field as indented, key-sorted JSON (``checkpoints/config.json``)."""
-    return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+    """Every field as indented, key-sorted JSON (``checkpoints/config.json``; enums by value)."""
+    return json.dumps(ckpt.config_to_json(self), indent=2, sort_keys=True)
 
   @classmethod
   def from_json(cls, text: str) -> "ControlConfig":
-    """The config `to_json` wrote (tuples restored); checked as at construction."""
-    d = json.loads(text)
+    """The config `to_json` wrote (tuples restored; a config saved before ``ppo`` was nested
+    is read too, `nest_ppo_fields`); checked as at construction."""
+    d = nest_ppo_fields(json.loads(text))
     for k in ("policy_hidden", "value_hidden"):
       d[k] = tuple(d[k])
     d["env_kwargs"] = tuple(tuple(kv) for kv in d.get("env_kwargs", ()))
+    d["ppo"] = PPOConfig(**d.get("ppo", {}))
     return cls(**d)
 
   def replace(self, **changes) -> "ControlConfig":
-    """A copy with ``changes`` (``dataclasses.replace``), checked as at construction."""
+    """A copy with ``changes`` (``dataclasses.replace``), checked as at construction. The nested
+    `PPOConfig`'s fields may be given by name (``num_minibatches=4``) beside the others.
+
+    Raises:
+      ConfigError: a name that is neither a field of this config nor of `PPOConfig`, or a
+        value either refuses.
+    """
+    ppo_changes = {k: changes.pop(k) for k in list(changes) if k in PPO_FIELDS}
+    unknown = sorted(set(changes) - set(CONTROL_FIELDS))
+    if unknown:
+      raise ConfigError(f"ControlConfig has no field {', '.join(unknown)} (nor has its ppo, "
+                        f"rljax.ppo.PPOConfig).")
+    if ppo_changes:
+      try:
+        changes["ppo"] = dataclasses.replace(changes.get("ppo", self.ppo), **ppo_changes)
+      except ValueError as e:
+        raise ConfigError(str(e)) from None
     return dataclasses.replace(self, **changes)
+
+  def flat(self) -> dict[str, Any]:
+    """Every field by its own name, the nested PPO fields beside the others (as the script's
+    flags name them)."""
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "ppo"}
+    d.update({name: getattr(self.ppo, name) for name in PPO_FIELDS})
+    return d
+
+
+PPO_FIELDS = tuple(f.name for f in dataclasses.fields(PPOConfig))
+CONTROL_FIELDS = tuple(f.name for f in dataclasses.fields(ControlConfig))
+
+
+def nest_ppo_fields(saved: dict[str, Any]) -> dict[str, Any]:
+  """A saved ``ControlConfig`` dict in today's layout: the PPO fields that configs saved
+  before ``ppo`` was nested hold at the top level move into ``ppo`` (a dict as saved today
+  is returned as it is)."""
+  if "ppo" in saved:
+    return saved
+  out = {k: v for k, v in saved.items() if k not in PPO_FIELDS}
+  out["ppo"] = {k: v for k, v in saved.items() if k in PPO_FIELDS}
+  return out
 
 
 def resolve_env_threads(config: ControlConfig, mesh=None, *, cores: int | None = None) -> int:
@@ -343,76 +362,22 @@ def resolve_env_threads(config: ControlConfig, mesh=None, *, cores: int | None =
   return runtime.host_threads(config.num_envs, MIN_ENVS_PER_THREAD, cores)
 
 
-# Per-environment defaults: what `experiments/train_control.py --env=NAME` uses before
-# flags override it. Tuned on a 2-core CPU; see benchmarks/HISTORY.md.
+# Per-environment defaults: what `experiments/train_control.py --env=NAME` starts from before
+# its flags apply; only the fields that differ from `ControlConfig`'s own defaults. Tuned on a
+# 2-core CPU; the measurements behind them are in docs/control.md and docs/performance.md.
+_SMALL_NETWORKS = dict(num_minibatches=4, policy_hidden=(64, 64), value_hidden=(128, 128))
+# Brax's policy initialisation (see ControlConfig.init_std).
+_BRAX_INIT = dict(init_std=_BRAX_INIT_STD, policy_init_scale=1.0)
 _DEFAULTS: dict[str, dict[str, Any]] = {
-    "playground/CartpoleBalance": dict(
-        num_timesteps=4_000_000,
-        num_envs=256,
-        unroll_length=32,
-        num_minibatches=4,
-        num_epochs=4,
-        learning_rate=1e-3,
-        # Constant, not linear decay: over seeds 0-11 every run ended at 994-1000 (mean 998),
-        # against 474-1000 (mean 914; seeds 1 and 7 at 474 and 608) with linear decay, at the
-        # same cost (benchmarks/HISTORY.md, stop 24). The policy learns to balance in a jump,
-        # after 2.3-3.2M steps at a constant rate; a decaying rate made it later or missed it.
-        lr_schedule="constant",
-        gamma=0.99,
-        entropy_coef=1e-2,
-        reward_scaling=1.0,
-        policy_hidden=(64, 64),
-        value_hidden=(128, 128),
-        num_evals=10,
-    ),
-    "playground/CheetahRun": dict(
-        num_timesteps=8_000_000,
-        num_envs=256,
-        unroll_length=32,
-        num_minibatches=4,
-        num_epochs=4,
-        learning_rate=1e-3,
-        # Constant, as CartpoleBalance's: after 3M steps (--num_timesteps=3000000 --num_evals=5)
-        # seeds 0-3 ended at 603, 572, 568, 438 (mean 545) against 420, 378, 413, 468 (420) with
-        # linear decay to 0; the full 8M default, seeds 0-1: 741, 513 against 511, 516.
-        lr_schedule="constant",
-        gamma=0.995,
-        entropy_coef=1e-2,
-        policy_hidden=(64, 64),
-        value_hidden=(128, 128),
-        # Brax's policy initialisation: after 3M steps, over seeds 0-3, the deterministic eval
-        # reward was 496, 466, 435, 534 with it and 492, 240, 446, 473 with loc = 0, std = 1;
-        # this full default (8M steps, seed 0) reached 625 with it and 531 without.
-        init_std=_BRAX_INIT_STD,
-        policy_init_scale=1.0,
-        # No overlap_value_update: env_threads (chosen for the machine) keeps every core busy
-        # with the rollout's physics instead (2 cores: default chunk 54.6k steps/s against
-        # 39.5k with the value update overlapped, 34.7k with neither; benchmarks/HISTORY.md,
-        # stop 45).
-        num_evals=10,
-    ),
-    "brax/ant": dict(
-        num_timesteps=6_000_000,
-        num_envs=256,
-        unroll_length=16,
-        num_minibatches=4,
-        num_epochs=4,
-        learning_rate=3e-4,
-        lr_schedule="linear",
-        gamma=0.97,
-        entropy_coef=1e-2,
-        reward_scaling=1.0,
-        policy_hidden=(64, 64),
-        value_hidden=(128, 128),
-        # Brax's policy initialisation (see ControlConfig.init_std): after 0.6M steps the
-        # deterministic eval reward was 577 with it and 282 with loc = 0, std = 1.
-        init_std=_BRAX_INIT_STD,
-        policy_init_scale=1.0,
-        num_evals=10,
-    ),
+    "playground/CartpoleBalance": dict(_SMALL_NETWORKS, num_timesteps=4_000_000,
+                                       learning_rate=1e-3),
+    "playground/CheetahRun": dict(_SMALL_NETWORKS, **_BRAX_INIT, num_timesteps=8_000_000,
+                                  learning_rate=1e-3, gamma=0.995),
+    "brax/ant": dict(_SMALL_NETWORKS, **_BRAX_INIT, num_timesteps=6_000_000, unroll_length=16,
+                     lr_schedule="linear", gamma=0.97),
 }
 
 
 def default_config(env: str) -> ControlConfig:
   """The bundled defaults for ``env`` (generic defaults for environments not listed)."""
-  return ControlConfig(env=env, **_DEFAULTS.get(env, {}))
+  return ControlConfig(env=env).replace(**_DEFAULTS.get(env, {}))

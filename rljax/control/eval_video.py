@@ -23,10 +23,12 @@ import jax.numpy as jnp
 
 from rljax import envs, running_stats, runtime
 from rljax.control import render
-from rljax.control import trainer as trainer_lib
+from rljax.control.learner import TrainState
+from rljax.control.networks import policy_apply
+from rljax.control.trainer import make_networks
 from rljax.control.config import ControlConfig
 
-OnEval = Callable[[int, trainer_lib.TrainState, dict], Any]
+OnEval = Callable[[int, TrainState, dict], Any]
 
 
 def eval_video_callback(
@@ -63,11 +65,11 @@ def eval_video_callback(
   formats = render.check_video_options(formats, height, width)
   env = envs.make(config.env, **dict(config.env_kwargs))
   # The graph definition only: the parameters come from the train state at each call.
-  networks, _ = trainer_lib.make_networks(config, env, None)
+  networks, _ = make_networks(config, env, None)
 
   def policy_fn(policy_params, obs):
     params, obs_stats = policy_params
-    loc, _ = trainer_lib.policy_apply(networks, params, running_stats.normalize(obs_stats, obs))
+    loc, _ = policy_apply(networks, params, running_stats.normalize(obs_stats, obs))
     return jnp.tanh(loc)
 
   video = render.EvalVideo(
@@ -78,7 +80,7 @@ def eval_video_callback(
   key = jax.random.PRNGKey(config.seed)
   out_dir = os.path.join(logdir, "videos")
 
-  def on_eval(chunk: int, train_state: trainer_lib.TrainState, record: dict):
+  def on_eval(chunk: int, train_state: TrainState, record: dict):
     del chunk
     # The policy as host arrays: in a multi-process run its arrays span other processes'
     # devices (every process takes part in the gather); process 0 alone renders and writes.

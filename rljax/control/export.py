@@ -50,6 +50,8 @@ from jax import export as jax_export
 
 from rljax import checkpoint as ckpt
 from rljax import running_stats
+from rljax.control.networks import policy_apply
+from rljax.control.policy import load_policy
 
 Array = jax.Array
 
@@ -69,7 +71,7 @@ def make_inference_fn(networks, params, obs_stats: running_stats.RunningStats) -
   """The deterministic policy as a pure function of observations only.
 
   Args:
-    networks: ``rljax.control.trainer.Networks`` (graph definition and sizes).
+    networks: ``rljax.control.networks.Networks`` (graph definition and sizes).
     params: the actor-critic's ``nnx.State`` of ``nnx.Param``.
     obs_stats: the observation normaliser's statistics.
 
@@ -78,10 +80,8 @@ def make_inference_fn(networks, params, obs_stats: running_stats.RunningStats) -
     computation as ``load_policy(..., deterministic=True)``. ``params`` and
     ``obs_stats`` are closed over (they become constants of an export).
   """
-  from rljax.control import trainer
-
   def fn(obs: Array) -> Array:
-    loc, _ = trainer.policy_apply(networks, params, running_stats.normalize(obs_stats, obs))
+    loc, _ = policy_apply(networks, params, running_stats.normalize(obs_stats, obs))
     return jnp.tanh(loc)
 
   return fn
@@ -231,7 +231,7 @@ def export_policy(
   """Exports an in-memory policy (e.g. ``TrainResult.train_state``) to ``out_dir``.
 
   Args:
-    networks: ``rljax.control.trainer.Networks``.
+    networks: ``rljax.control.networks.Networks``.
     params: actor-critic parameters (``nnx.State``).
     obs_stats: observation normaliser statistics.
     out_dir: output folder (created).
@@ -260,7 +260,7 @@ def export_from_logdir(
 ) -> ExportResult:
   """Exports the policy saved under ``<logdir>/checkpoints`` (PPO or APG runs).
 
-  It exports exactly the function ``rljax.control.trainer.load_policy(logdir)``
+  It exports exactly the function ``rljax.control.policy.load_policy(logdir)``
   returns (deterministic action), so exported and in-process actions agree.
 
   Args:
@@ -276,10 +276,8 @@ def export_from_logdir(
   Raises:
     FileNotFoundError: no checkpoint or config under ``logdir``.
   """
-  from rljax.control import trainer
-
   saved = ckpt.read_config(logdir)
-  policy = trainer.load_policy(logdir, step=step, deterministic=True)
+  policy = load_policy(logdir, step=step, deterministic=True)
   observation_size = int(saved["network"]["observation_size"])
   exported = export_inference_fn(
       lambda obs: policy(obs), observation_size, batch_size=batch_size, platforms=platforms

@@ -518,12 +518,12 @@ def render_policy(logdir: str, path: str | None = None, *, step: int | None = No
   """
   from rljax import checkpoint as ckpt
   from rljax import envs
-  from rljax.control import trainer
+  from rljax.control.policy import load_policy
 
   run = _run_config(ckpt.read_config(logdir))
   if not run.get("env"):
     raise FileNotFoundError(f"{logdir!r} has no environment name in checkpoints/config.json.")
-  policy = trainer.load_policy(logdir, step=step, deterministic=True)
+  policy = load_policy(logdir, step=step, deterministic=True)
   episode_length = (episode_length or run.get("episode_length")
                     or envs.default_episode_length(run["env"]))
   kwargs.setdefault("action_repeat", int(run.get("action_repeat", 1)))
