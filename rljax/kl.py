@@ -37,6 +37,8 @@ arXiv:1909.08593, Sec. 2.2).
 from __future__ import annotations
 
 import enum
+import types
+from collections.abc import Mapping
 from typing import Callable, NamedTuple
 
 import jax
@@ -102,15 +104,22 @@ def kl_k3(log_probs: Array, ref_log_probs: Array) -> Array:
   return jnp.expm1(log_r) - log_r
 
 
+# The estimators by name: a new one adds a `KLEstimator` value and an entry here.
+KL_ESTIMATORS: Mapping[KLEstimator, Callable[[Array, Array], Array]] = types.MappingProxyType({
+    KLEstimator.K1: kl_k1,
+    KLEstimator.K2: kl_k2,
+    KLEstimator.K3: kl_k3,
+})
+
+
 def kl_estimate(log_probs: Array, ref_log_probs: Array, estimator: KLEstimator | str) -> Array:
-  """Dispatches to :func:`kl_k1`, :func:`kl_k2` or :func:`kl_k3`.
+  """The per-token estimate ``estimator`` (`KL_ESTIMATORS`: ``k1``, ``k2`` or ``k3``), ``[...]``
+  f32 in the inputs' shape.
 
   Raises:
     ValueError: for an unknown estimator name.
   """
-  estimator = KLEstimator(estimator)
-  fn = {KLEstimator.K1: kl_k1, KLEstimator.K2: kl_k2, KLEstimator.K3: kl_k3}[estimator]
-  return fn(log_probs, ref_log_probs)
+  return KL_ESTIMATORS[KLEstimator(estimator)](log_probs, ref_log_probs)
 
 
 class KLControllerState(NamedTuple):

@@ -20,6 +20,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from rljax.runtime import is_primary
+
 
 def _to_float(x: Any) -> float:
   return float(np.asarray(x))
@@ -62,8 +64,6 @@ class MetricsWriter:
       primary: bool | None = None,
   ):
     if primary is None:
-      from rljax.runtime import is_primary
-
       primary = is_primary()
     self.primary = primary
     self.logdir = logdir

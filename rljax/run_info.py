@@ -33,6 +33,9 @@ import shlex
 import sys
 from typing import Any, Mapping, Sequence
 
+from rljax import metrics
+from rljax.runtime import is_primary
+
 RUN_INFO_FILE = "run_info.json"
 
 # Distributions whose versions decide a run's numbers (PyPI names, as importlib.metadata
@@ -136,8 +139,6 @@ def write_run_info(logdir: str, config: Any = None, *, argv: Sequence[str] | Non
     OSError: ``logdir`` cannot be created or written.
     TypeError: see `config_to_dict`.
   """
-  from rljax.runtime import is_primary
-
   path = os.path.join(logdir, RUN_INFO_FILE)
   if not is_primary():
     return path
@@ -182,13 +183,9 @@ def start_run(logdir: str, config: Any = None, *, use_wandb: bool = False,
     ValueError: ``use_wandb`` but the ``wandb`` package is not installed.
     OSError: ``logdir`` cannot be written.
   """
-  from rljax.runtime import is_primary
-
   path = write_run_info(logdir, config, argv=argv, extra=extra)
   if not use_wandb or not is_primary():
     return None
-  from rljax import metrics
-
   with open(path, encoding="utf-8") as f:
     info = json.load(f)
   wb_config = dict(info["config"], _versions=info["versions"], _command=info["command"])

@@ -12,6 +12,8 @@ from typing import Callable
 
 import jax
 
+from rljax.sharding import distributed
+
 DEFAULT_CACHE_DIR = os.path.join(
     os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache")),
     "rljax",
@@ -35,9 +37,8 @@ def enable_compilation_cache(path: str | None = None) -> str:
 
 # XLA's CPU backend (jaxlib 0.10) hands dot products to YNNPACK fusions by default. MJX physics
 # is full of tiny dots (3x3 and 6x6 per body and contact), for which that path costs far more
-# than XLA's own emitter: with it off, rljax's train chunk at Brax's settings ran 31% faster on
-# CheetahRun and 15% faster on ant (2 cores; CartpoleBalance, whose physics is negligible,
-# unchanged). benchmarks/control_throughput.py measures the physics limit both ways.
+# than XLA's own emitter, so it is turned off for the control programs (docs/performance.md);
+# benchmarks/control_throughput.py measures the physics limit both ways.
 _CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
@@ -70,12 +71,8 @@ def run_once_compiler_options(backend: str | None = None) -> dict[str, int]:
   and the networks' initialisation.
 
   ``{"xla_backend_optimization_level": 0}`` on CPU (LLVM without optimisation passes), ``{}``
-  elsewhere. On 2 CPU cores (mujoco 4.0.0) the batched reset of 256 environments compiled in
-  1.7 s instead of 2.9 s and ran in 3.3 ms instead of 0.8 ms (CartpoleBalance), 5.4 s instead
-  of 9.2 s and 3.4 s instead of 0.8 s (CheetahRun, whose reset settles the model with 200
-  physics steps), and 3.2 s instead of 5.4 s and 12 ms instead of 5 ms (brax/ant), against the
-  `control_compiler_options` build: compile and run together are shorter unoptimised on
-  each (CheetahRun: 8.8 s against 10.0 s). The unoptimised build may differ from an optimised one in
+  elsewhere: a program that runs once compiles and runs sooner unoptimised than optimised
+  (docs/performance.md). The unoptimised build may differ from an optimised one in
   the last bits (no fused multiply-adds); every run builds it the same way, so runs stay
   bitwise reproducible.
   """
@@ -94,7 +91,7 @@ def host_threads(n: int, min_per_thread: int, cores: int | None = None) -> int:
   ``(16, 16, 2) -> 1``.
 
   Used where one XLA:CPU program does not keep the cores busy and one call per group of items,
-  each from its own thread, does (`rljax.control.trainer.ThreadedChunk`, the sampler's
+  each from its own thread, does (`rljax.control.host_chunks.ThreadedChunk`, the sampler's
   ``batch_threads``).
   """
   if not cores:
@@ -110,8 +107,8 @@ def map_on_threads(fn: Callable, items, pool: concurrent.futures.Executor | None
 
   Each call should wait for its result (``jax.block_until_ready``) inside ``fn``: so called,
   XLA's CPU client runs the calls' programs side by side, while programs called from one thread
-  ran one after another (CheetahRun physics at 50k steps/s for two groups of environments,
-  against 97k). Used by `rljax.control.trainer.ThreadedChunk` and the sampler's batch threads.
+  run one after another. Used by `rljax.control.host_chunks.ThreadedChunk` and the sampler's
+  batch threads.
   """
   items = list(items)
   if len(items) == 1:
@@ -203,8 +200,6 @@ def run_main(main: Callable[[], int | None], *, verbose: bool) -> None:
     sys.exit(2)
   except Exception:
     if jax.process_count() > 1:  # a lost peer is named (status 70), not a collective's traceback
-      from rljax.sharding import distributed
-
       distributed.wait_for_lost_peer()
     raise
   sys.exit(code or 0)

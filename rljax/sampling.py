@@ -16,10 +16,9 @@ instead of ``P + R``, as paged/varlen attention does (vLLM, Kwon et al. 2023) wi
 static shapes: with 4 segments the attention reads on average ``P + 5R/8`` slots, not ``P + R``.
 Each segment is one more loop body to compile, and while a cache grows the old and the new one
 are both alive: the decode's peak cache memory is up to ``1 + e_{n-1} / e_n`` times one full
-cache (1.75x with 4 segments; XLA's measured temporaries, at ``R = 512``: 265 MB of cache and
-its copies against 152 MB for one loop). So the automatic setting segments on CPU only, where
-long responses run 16-23% faster (``benchmarks/HISTORY.md``, stop 32) and memory is host RAM; on
-GPU/TPU, where the cache is what limits the batch and the gain was not measured, it is one loop.
+cache (1.75x with 4 segments). So the automatic setting segments on CPU only, where long
+responses run faster (docs/performance.md) and memory is host RAM; on GPU/TPU, where the cache
+is what limits the batch, it is one loop.
 
 On CPU a large batch is sampled in row groups side by side (:attr:`SamplingConfig.batch_threads`):
 each group's prefill and decode are calls of the same two compiled functions, made from their own
@@ -74,8 +73,7 @@ MAX_AUTO_SEGMENTS = 4
 # this many rows (smaller groups ran slower than one call in f32 on the 2-core CPUs measured).
 MIN_ROWS_PER_THREAD = 16
 # ... and only for weights of at least this many parameters: below it a call takes a few ms and
-# a second thread's overhead (about 2 ms a call) outweighs the gain (stop 47: 0.14M parameters
-# 0.87x, 0.82M 1.20x, 6.6M 1.41-1.65x at batch 32).
+# a second thread's overhead (about 2 ms a call) outweighs the gain (docs/performance.md).
 MIN_PARAMS_FOR_THREADS = 500_000
 
 
@@ -113,9 +111,8 @@ class SamplingConfig:
     batch_threads: how many host threads sample the (bucketed) batch: the rows are split into
       this many equal groups, each prefilled and decoded by its own call of the same compiled
       functions from its own thread, so that the calls run side by side on the CPU's cores. One
-      XLA:CPU call does not keep 2 cores busy, so two half-batch calls beat one: batch 32 of
-      the benchmark's model 1.13x faster in f32 and 1.36x in bf16 on 2 cores, while batch 16
-      in f32 ran 6% slower as two groups of 8 (``benchmarks/HISTORY.md``, stop 47). Each row
+      XLA:CPU call does not keep 2 cores busy, so two half-batch calls beat one at batch 32
+      (groups smaller than `MIN_ROWS_PER_THREAD` rows ran slower; docs/performance.md). Each row
       draws the same random numbers whatever its group, so the tokens are those of one call up
       to float rounding (see the module docstring). ``0`` (default) chooses per call
       (`resolve_batch_threads`): on a CPU backend in one process, with weights of at least

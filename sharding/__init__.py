@@ -1,1 +1,1 @@
-"""Meshes, logical-axis rules and placement (issue 5)."""
+"""Meshes, logical-axis rules and placement, resharding, multi-process start-up and the memory planner."""

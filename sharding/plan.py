@@ -38,7 +38,8 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 
-from rljax.sharding.mesh import MeshConfig, MeshError
+from rljax.models.llm import LMConfig
+from rljax.sharding.mesh import MeshError, parse_mesh_flag
 from rljax.sharding.rules import Preset, as_preset
 
 GB = 1e9
@@ -82,8 +83,6 @@ def model_shape(model: str) -> ModelShape:
   Raises:
     ValueError: naming the string if it is neither a preset nor an existing file.
   """
-  from rljax.models.llm import LMConfig
-
   if model in SIZE_PRESETS:
     v, e, m, l, h, k = SIZE_PRESETS[model]
     cfg = LMConfig(vocab_size=v, hidden_size=e, intermediate_size=m, num_layers=l, num_heads=h,
@@ -302,7 +301,6 @@ def main(argv: Sequence[str] | None = None) -> int:
       raise ValueError(f"--device_memory_gb must be > 0, got {args.device_memory_gb:g}")
     tensor = 1
     if args.mesh:
-      from rljax.sharding.mesh import parse_mesh_flag
       mc = parse_mesh_flag(args.mesh)
       if mc.data == -1:
         raise MeshError("--mesh for the planner needs an explicit data size")

@@ -1,1 +1,1 @@
-"""Text "environments": prompt sets, reward functions and preference datasets (issue 4)."""
+"""Text "environments": prompt sets, reward functions and preference datasets ."""

@@ -32,6 +32,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+from rljax.models.tokenizer import Tokenizer
 
 ASSISTANT_MARKER = "\n\nAssistant:"
 _TURN_RE = re.compile(r"\n\n(Human|Assistant):")
@@ -347,8 +348,6 @@ def train_bpe_tokenizer(texts: Iterable[str], *, vocab_size: int = 2048,
   """
   import tokenizers
   from tokenizers import decoders, models, pre_tokenizers, processors, trainers
-
-  from rljax.models.tokenizer import Tokenizer
 
   backend = tokenizers.Tokenizer(models.BPE())
   backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

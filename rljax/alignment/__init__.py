@@ -1,1 +1,1 @@
-"""Alignment trainers: SFT, reward model, RLHF PPO (placeholder package for issue 4)."""
+"""LLM alignment: SFT, Bradley-Terry reward models, and RLHF (PPO, GRPO, RLOO, REINFORCE++)."""

@@ -15,6 +15,7 @@ from rljax.alignment.pipeline_config import PreferenceConfig
 from rljax.models import hf_io
 from rljax.models.llm import DecoderLM, LMConfig
 from rljax.models.tokenizer import load_tokenizer
+from rljax.sharding import rules as rules_lib
 
 # Where the preference pipeline writes its trained model in Hugging Face format.
 HF_MODEL_DIR = "hf_model"
@@ -117,8 +118,6 @@ def _load_hf_folder(path: str, lm_config: LMConfig, *, layout, seed: int, dtype:
   """``hf_io.load_hf_checkpoint``, each tensor placed in ``layout``'s training sharding."""
   shardings = None
   if layout is not None:
-    from rljax.sharding import rules as rules_lib
-
     abstract = nnx.eval_shape(lambda: DecoderLM(lm_config, rngs=nnx.Rngs(seed)))
     shardings = rules_lib.shardings(nnx.state(abstract), layout.mesh, layout.preset)
   return hf_io.load_hf_checkpoint(path, dtype=dtype, shardings=shardings, seed=seed)

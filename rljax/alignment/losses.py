@@ -53,7 +53,8 @@ def bradley_terry_loss(
 
 
 def sft_loss_terms(log_probs: Array, loss_mask: Array) -> tuple[Array, Array]:
-  """``(sum of -log p over loss tokens, number of loss tokens)``, kept apart (STYLE 11).
+  """``(sum of -log p over loss tokens, number of loss tokens)``, kept apart so
+  the loss does not depend on how the batch is split.
 
   Args:
     log_probs: ``[B, L]`` f32 log-prob of each target token given its prefix.

@@ -11,7 +11,7 @@ the same column (OpenRLHF/TRL convention). The sequence score is read at the las
 (:func:`rljax.models.llm.last_token_index`), i.e. the EOS when there is one.
 
 All functions take a ``graphdef`` and a parameter ``State`` and ``nnx.merge`` them, so they can
-be called inside a plain ``jax.jit`` (STYLE 9).
+be called inside a plain ``jax.jit``.
 """
 
 from __future__ import annotations

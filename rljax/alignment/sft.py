@@ -16,7 +16,7 @@ The fraction of padding tokens is reported as ``padding_fraction``. The loss is
 Pre-training is the same step with ``prompt_ids = [BOS]``: every text token is a target.
 
 The step is one plain ``jax.jit`` over ``nnx.split`` parameters with the parameters and the
-optimizer state donated (STYLE 8, 9). The data position is part of :class:`SFTState`.
+optimizer state donated. The data position is part of :class:`SFTState`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from rljax.alignment import losses, modeling
 from rljax.envs.text import data as text_data
 from rljax.models import llm
 from rljax.sampling import bucket_size
+from rljax.sharding import mesh as mesh_lib
 
 DEFAULT_LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
 
@@ -397,8 +398,6 @@ def train_sft(
     num_rows = packed["tokens"].shape[0]
     rows_per_step = max(1, round(config.batch_size * num_rows / len(examples)))
     if layout is not None:  # packed rows per step: a multiple of the data axes' size
-      from rljax.sharding import mesh as mesh_lib
-
       n = mesh_lib.data_parallel_size(layout.mesh)
       rows_per_step = max(n, round(rows_per_step / n) * n)
   if layout is not None:  # checked before anything compiles

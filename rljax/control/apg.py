@@ -189,8 +189,7 @@ class APGConfig:
     return dataclasses.replace(self, **changes)
 
 
-# Per-environment defaults, tuned on a 2-core CPU. CartpoleSwingup: return ~6 -> ~880 in
-# about 4 minutes of wall time here, compilation (~55 s) included.
+# Per-environment defaults, tuned on a 2-core CPU (expected results: docs/control.md).
 # Swing-up needs the long horizon: with horizon_length=32 APG stalls near 370.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "playground/CartpoleSwingup": dict(

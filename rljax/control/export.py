@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax import export as jax_export
 
+import rljax
 from rljax import checkpoint as ckpt
 from rljax import running_stats
 from rljax.control.networks import policy_apply
@@ -157,8 +158,6 @@ def build_manifest(exported: jax_export.Exported, serialized: bytes, **metadata:
     raise ExportError(f"expected [B, D] -> [B, A], got {obs_aval.shape} -> {act_aval.shape}.")
   batch = obs_aval.shape[0]
   polymorphic = jax_export.is_symbolic_dim(batch)
-  from rljax import __version__ as rljax_version
-
   return {
       "format": FORMAT,
       "format_version": FORMAT_VERSION,
@@ -178,7 +177,7 @@ def build_manifest(exported: jax_export.Exported, serialized: bytes, **metadata:
           "jax": jax.__version__,
           "jaxlib": _version("jaxlib"),
           "flax": _version("flax"),
-          "rljax": rljax_version,
+          "rljax": rljax.__version__,
           "python": platform.python_version(),
       },
       "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
