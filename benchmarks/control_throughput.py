@@ -16,8 +16,8 @@ For one environment it runs, back to back:
    XLA's default options and with the ones rljax compiles its physics with
    (``rljax.runtime.control_compiler_options``), measured in this process after the trainers
    and again in a fresh child process (``--physics_limit_only``); the fastest of the four is
-   the limit. The two processes have read it 11.3k and 13.1-17.8k steps/s on ant on the same
-   machine (benchmarks/HISTORY.md, stop 36), so the higher bounds ``fraction_of_limit``.
+   the limit (a process that has run the trainers can read it lower: on ant 11.3k against
+   13.1-17.8k steps/s in fresh processes on one machine, benchmarks/HISTORY.md).
    Where rljax's rollouts step the environments on several threads (``ControlConfig.env_threads``
    as this machine resolves it, ``rljax_env_threads``), the same program is also timed on that
    many threads at once, each on its group of the environments: ``physics_limit_threaded_sps``,
@@ -36,6 +36,12 @@ module imports, a one-time cost of the process, happen before either run is time
 
 Brax 0.14.2 calls ``jax.device_put_replicated``, which JAX 0.10 removed; the small shim
 below restores it for Brax only. Nothing of Brax's algorithm or settings is changed.
+
+Flags (``--helpfull`` lists them with their defaults): ``--env``, ``--num_envs``,
+``--num_timesteps`` (the identical-settings runs), ``--default_num_timesteps`` (rljax's default
+run), ``--seed``, ``--repeats``, ``--skip_default``, ``--gae_per_minibatch`` and ``--out`` (the
+JSON file). ``--physics_limit_only`` and ``--physics_limit_threads`` are what the benchmark runs
+in its child process.
 """
 
 from __future__ import annotations
@@ -65,7 +71,7 @@ _GAE_PER_MINIBATCH = flags.DEFINE_bool(
     "The identical-settings rljax run computes GAE inside each minibatch's loss, as Brax does "
     "(ControlConfig.gae_per_minibatch), instead of once per iteration before the update "
     "(rljax's default). Off: it was 2-3% faster and learnt less (benchmarks/HISTORY.md, "
-    "stop 28).")
+    "2026-12-02).")
 _LIMIT_ONLY = flags.DEFINE_bool(
     "physics_limit_only", False,
     "Measure the physics limit alone (both compiler options), write it to --out as JSON and "
@@ -82,7 +88,7 @@ _REPEATS = flags.DEFINE_integer(
     "repeats, and the ratios are theirs; each run's figures are in the JSON (*_runs). rljax's "
     "default run is repeated as often (after the pairs), and rljax_default_sps, whose ratio to "
     "the limit is fraction_of_limit, is its median. On the 2-core machines the same code's "
-    "steady rates moved by up to 20% between runs (benchmarks/HISTORY.md, stop 40).",
+    "steady rates moved by up to 20% between runs (benchmarks/HISTORY.md, 2026-12-04).",
     lower_bound=1)
 _DEFAULT_TIMESTEPS = flags.DEFINE_integer(
     "default_num_timesteps", None,
@@ -140,7 +146,7 @@ def rljax_config_from(env: str, s: dict, episode_length: int, gae_per_minibatch:
   from rljax.control.config import ControlConfig
   from rljax.models import mlp
 
-  return ControlConfig(
+  return ControlConfig().replace(
       env=env,
       num_timesteps=s["num_timesteps"],
       num_envs=s["num_envs"],
@@ -159,7 +165,8 @@ def rljax_config_from(env: str, s: dict, episode_length: int, gae_per_minibatch:
       obs_stats_before_update=True,
       # Brax computes GAE inside each minibatch's loss from the value forward the loss
       # makes, with the value network as that step finds it (no separate value pass);
-      # rljax's own order unless asked (2-3% faster, learnt less: benchmarks/HISTORY.md, stop 28).
+      # rljax's own order unless asked (2-3% faster, learnt less: benchmarks/HISTORY.md,
+      # 2026-12-02).
       gae_per_minibatch=gae_per_minibatch,
       num_evals=s["num_evals"],
       num_eval_envs=s["num_eval_envs"],
@@ -371,9 +378,9 @@ def main(argv):
   # The limit is the fastest of XLA's default compiler options and the ones rljax compiles its
   # physics with (rljax.runtime.control_compiler_options), so fraction_of_limit cannot exceed 1
   # by a compiler setting alone; and of this process (after the trainers) and a fresh one.
-  # It is one program, as the issue defines it. rljax's rollouts step the environments on
-  # `threads` threads (ControlConfig.env_threads, as this machine resolves it), whose physics
-  # limit is measured too: the same program on each thread's group, all at once.
+  # It is one program, as fraction_of_limit's target defines it. rljax's rollouts step the
+  # environments on `threads` threads (ControlConfig.env_threads, as this machine resolves it),
+  # whose physics limit is measured too: the same program on each thread's group, all at once.
   threads = resolve_env_threads(default_config(env_name).replace(
       num_envs=_NUM_ENVS.value))
   here = all_physics_limits(env_name, _NUM_ENVS.value, threads)

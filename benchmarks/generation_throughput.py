@@ -1,39 +1,51 @@
 """Generation throughput: rljax's KV-cache sampler vs Hugging Face ``generate``, one process.
 
-Setup (issue 3): a Qwen2-style model of ~28M parameters made with ``transformers`` and saved to a
+    python benchmarks/generation_throughput.py --out=/tmp/generation.json
+    python benchmarks/generation_throughput.py --batch_sizes=32 --nobf16 --out=/tmp/b32.json
+
+Setup: a Qwen2-style model of ~28M parameters made with ``transformers`` and saved to a
 temporary folder (hidden 512, 8 layers, 8 heads, 2 KV heads, SwiGLU width 1536, vocabulary 8192,
-tied embeddings); prompts of 64 random tokens; 128 new tokens; multinomial sampling at temperature
-1 over the full vocabulary (HF: ``do_sample=True, top_k=0, top_p=1``); no EOS, so both run all 128
-steps. HF runs PyTorch on CPU with its KV cache, timed with torch's default thread count and with
-one thread; the faster of the two is the baseline (on a loaded machine OpenMP's default threads
-can be many times slower). rljax loads the same checkpoint with
-``rljax.models.load_hf_checkpoint``. The headline comparison is f32 against f32; rljax is also
-timed sampling from a bf16 copy of the weights (``SamplingConfig(dtype='bfloat16',
-cache_dtype='float32')``, f32 accumulation), reported in separate columns, against HF with the
-checkpoint loaded in bf16 as its users load it (``from_pretrained(path, dtype=torch.bfloat16)``,
-same thread settings): ``ratio_bf16_vs_hf_bf16`` compares the two at the same weight dtype, and
-``ratio_bf16_vs_hf`` rljax's bf16 run against HF's f32 one.
+tied embeddings); prompts of 64 random tokens; 128 new tokens; multinomial sampling at
+temperature 1 over the full vocabulary (HF: ``do_sample=True, top_k=0, top_p=1``); no EOS, so
+both run all 128 steps. HF runs PyTorch on CPU with its KV cache, timed with each of the torch
+thread counts in ``--hf_threads`` (default: torch's default and one thread); the fastest is the
+baseline (on a loaded machine OpenMP's default threads can be many times slower). rljax loads
+the same checkpoint with ``rljax.models.load_hf_checkpoint``. The headline comparison is f32
+against f32; rljax is also timed sampling from a bf16 copy of the weights
+(``SamplingConfig(dtype='bfloat16', cache_dtype='float32')``, f32 accumulation), reported in
+separate columns, against HF with the checkpoint loaded in bf16 as its users load it
+(``from_pretrained(path, dtype=torch.bfloat16)``, same thread settings):
+``ratio_bf16_vs_hf_bf16`` compares the two at the same weight dtype, and ``ratio_bf16_vs_hf``
+rljax's bf16 run against HF's f32 one.
 
 rljax samples with its default ``SamplingConfig.decode_segments`` (at 128 new tokens, 4 decode
-loops over caches of ``P + 32 .. P + 128`` slots); ``--decode-segments=1`` times one loop over the
-whole cache, as before that option. Likewise with its default ``SamplingConfig.batch_threads``
-(automatic: on a 2-core CPU batch 32 is sampled as two groups of 16 rows on two host threads,
-smaller batches in one call; ``rljax_batch_threads`` in the JSON); ``--batch-threads=1`` times one
-call for every batch size.
+loops over caches of ``P + 32 .. P + 128`` slots); ``--decode_segments=1`` times one loop over
+the whole cache. Likewise with its default ``SamplingConfig.batch_threads`` (automatic: on a
+2-core CPU batch 32 is sampled as two groups of 16 rows on two host threads, smaller batches in
+one call; ``rljax_batch_threads`` in the JSON); ``--batch_threads=1`` times one call for every
+batch size.
 
-tokens/s = batch_size * new_tokens / wall time of one generate call (prefill included), the median
-of ``--repeats`` calls after one warm-up call. ``rljax_compile_s`` is the first call's wall time
-minus the median.
+tokens/s = batch_size * new_tokens / wall time of one generate call (prefill included), the
+median of ``--repeats`` calls after one warm-up call, rljax's and HF's calls taking turns.
+``rljax_compile_s`` is the first call's wall time minus the median.
 
-The decode roofline (see ``benchmarks/README.md``) uses this machine's measured memory bandwidth
+The decode roofline (see ``docs/performance.md``) uses this machine's measured memory bandwidth
 (the faster of a GEMV and a sum over a 128 MiB array) and f32 matmul throughput (a large GEMM):
 
   t_step(B) = max((W + KV(B)) / BW, (2 * N * B + A(B)) / F),   roofline = B / t_step(B)
   end-to-end (prefill included): B * R / (2 * N * B * P / F + (R - 1) * t_step(B))
 
-Usage::
+The roofline assumes the large-GEMM rate ``F`` at any row count. Unless ``--nomatmul_bound``,
+the benchmark also times the decode's projection matmuls alone (`matmul_bound`): the model's own
+weights chained over ``R - 1`` steps in XLA and in PyTorch, and the ratio to HF that a decode step
+costing only those matmuls would give with the measured prefill.
 
-  python benchmarks/generation_throughput.py --out /tmp/generation.json
+Flags (``--helpfull`` lists them with their defaults): ``--batch_sizes``, ``--prompt_len``,
+``--new_tokens``, ``--repeats``; the model's sizes ``--vocab``, ``--hidden``, ``--layers``,
+``--heads``, ``--kv_heads``, ``--mlp``; ``--skip_hf`` (time rljax only), ``--hf_threads``,
+``--[no]bf16``, ``--decode_segments``, ``--batch_threads``, ``--[no]matmul_bound`` and ``--out``.
+The hyphenated spellings of earlier versions (``--batch-sizes``, ``--no-bf16``, ``--skip-hf``,
+``--no-matmul-bound``, ...) still work for one release, with a warning naming the new flag.
 
 The JSON holds ``results``: one object per batch size with ``batch_size``,
 ``rljax_tokens_per_s``, ``hf_tokens_per_s``, ``ratio_vs_hf``, ``rljax_compile_s``,
@@ -41,23 +53,19 @@ The JSON holds ``results``: one object per batch size with ``batch_size``,
 ``roofline_e2e_tokens_per_s`` (with prefill) and the same for bf16 (``rljax_bf16_tokens_per_s``,
 ``hf_bf16_tokens_per_s``, ``ratio_bf16_vs_hf_bf16``, ``ratio_bf16_vs_hf``,
 ``roofline_bf16_tokens_per_s``, ``roofline_e2e_bf16_tokens_per_s``); plus the measured
-``machine`` figures, the load average and ``decode_segment_ends``. Unless ``--no-matmul-bound``,
-each result also holds the f32 decode step's split and its matmul bound (`matmul_bound`):
+``machine`` figures, the load average and ``decode_segment_ends``. Unless ``--nomatmul_bound``,
+each result also holds the f32 decode step's split and its matmul bound:
 ``rljax_prefill_s``, ``rljax_decode_step_ms``, ``xla_matmul_step_ms``, ``xla_matmul_threads``,
-``torch_matmul_step_ms``, ``decode_step_ms_for_3x_hf`` and ``{xla,torch}_matmul_bound_ratio_vs_hf``:
-the decode's projection matmuls alone, chained over ``R - 1`` steps in XLA and in PyTorch, and the
-ratio to HF that a decode step costing only those matmuls would give with the measured prefill.
+``torch_matmul_step_ms``, ``decode_step_ms_for_3x_hf`` and ``{xla,torch}_matmul_bound_ratio_vs_hf``.
 """
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import functools
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -66,9 +74,54 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
+from absl import app, flags
 
-from rljax import runtime, sampling
-from rljax.models import hf_io, llm
+from rljax import cli, runtime, sampling
+from rljax.models import hf_io
+
+_BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "Batch sizes to time, in order.")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 64, "Prompt length P (random tokens).")
+_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "New tokens R per row (no EOS).")
+_REPEATS = flags.DEFINE_integer(
+    "repeats", 3, "Timed calls per measurement (after one warm-up call); the median counts.")
+_VOCAB = flags.DEFINE_integer("vocab", 8192, "The model's vocabulary size.")
+_HIDDEN = flags.DEFINE_integer("hidden", 512, "The model's hidden size.")
+_LAYERS = flags.DEFINE_integer("layers", 8, "The model's decoder layers.")
+_HEADS = flags.DEFINE_integer("heads", 8, "The model's attention heads.")
+_KV_HEADS = flags.DEFINE_integer("kv_heads", 2, "The model's key/value heads.")
+_MLP = flags.DEFINE_integer("mlp", 1536, "The model's SwiGLU width.")
+_SKIP_HF = flags.DEFINE_bool("skip_hf", False, "Time rljax only.")
+_HF_THREADS = flags.DEFINE_list(
+    "hf_threads", [str(torch.get_num_threads()), "1"],
+    "torch thread counts to time HF with (default: torch's default and 1); the fastest is the "
+    "baseline.")
+_BF16 = flags.DEFINE_bool(
+    "bf16", True, "Also time bf16 (rljax: SamplingConfig(dtype='bfloat16'); HF: the checkpoint "
+    "loaded with dtype=torch.bfloat16); --nobf16 skips it.")
+_DECODE_SEGMENTS = flags.DEFINE_integer(
+    "decode_segments", None,
+    "SamplingConfig.decode_segments (default: automatic; 1: one decode loop over the whole cache).")
+_BATCH_THREADS = flags.DEFINE_integer(
+    "batch_threads", 0,
+    "SamplingConfig.batch_threads (default 0: automatic; 1: the whole batch in one call).")
+_MATMUL_BOUND = flags.DEFINE_bool(
+    "matmul_bound", True, "Also time the decode's projection matmuls alone (XLA and torch) and "
+    "report the ratio to HF they bound; --nomatmul_bound skips it.")
+_OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
+
+# Old (argparse) spellings -> new ones, accepted for one release (rljax.cli.run).
+DEPRECATED_FLAGS = {
+    "--batch-sizes": "--batch_sizes",
+    "--prompt-len": "--prompt_len",
+    "--new-tokens": "--new_tokens",
+    "--kv-heads": "--kv_heads",
+    "--skip-hf": "--skip_hf",
+    "--hf-threads": "--hf_threads",
+    "--no-bf16": "--nobf16",
+    "--decode-segments": "--decode_segments",
+    "--batch-threads": "--batch_threads",
+    "--no-matmul-bound": "--nomatmul_bound",
+}
 
 
 def make_checkpoint(path: str, *, vocab: int, hidden: int, layers: int, heads: int,
@@ -86,8 +139,8 @@ def make_checkpoint(path: str, *, vocab: int, hidden: int, layers: int, heads: i
 def measure_machine(repeats: int = 7) -> dict[str, float]:
   """Memory bandwidth (bytes/s): the faster of two reads of a 128 MiB f32 array, a GEMV and a
   sum (``bandwidth_gemv_bytes_per_s``, ``bandwidth_sum_bytes_per_s``; XLA:CPU's GEMV alone can
-  read slower than the memory allows: on stop 43's Xeon 16.5 GB/s, below the rate at which
-  rljax's batch-1 decode read its weights); f32 and bf16 (f32-accumulated) matmul throughput
+  read slower than the memory allows: 16.5 GB/s on a 2-core Xeon model 207, below the rate at
+  which rljax's batch-1 decode read its weights, benchmarks/HISTORY.md, 2026-12-05); f32 and bf16 (f32-accumulated) matmul throughput
   (flop/s) from a 1024 x 1024 x 2048 GEMM, all with XLA on this machine."""
 
   def best(f, *args):
@@ -160,10 +213,15 @@ def _matmul_chain(x, layers, head, steps: int, tied: bool):
   """``steps`` decode steps of only the projection matmuls (`_rljax_projections`) on ``x [B,
   E]``, each step's input the last one's output, joined by the fewest elementwise operations
   (adds, one ``tanh`` a layer to keep the values bounded); no attention, norms or sampling. The
-  products are the model's own (``llm._f32_product``: at one row on CPU a split-K matvec)."""
+  products are the model's own (``rljax.models.dots.f32_product``: at one row on CPU a split-K
+  matvec)."""
+  try:
+    from rljax.models.dots import f32_product
+  except ImportError:  # before the helper moved to rljax.models.dots
+    from rljax.models.llm import _f32_product as f32_product
 
   def mm(x, w):
-    return llm._f32_product("be,ef->bf", x, w)  # pylint: disable=protected-access
+    return f32_product("be,ef->bf", x, w)
 
   def step(_, h):
     for q_w, kv_w, o_w, gu_w, down_w in layers:
@@ -250,7 +308,7 @@ def matmul_bound(model, hf_model, sampler, batch: int, new_tokens: int, hf_tps: 
   xla_s = by_threads[xla_threads]
   torch_s = torch_matmul_step_s(hf_model, batch, steps, repeats)
   tokens = batch * new_tokens
-  has_hf = hf_tps == hf_tps  # NaN with --skip-hf
+  has_hf = hf_tps == hf_tps  # NaN with --skip_hf
   target_step = (tokens / (3 * hf_tps) - prefill_s) / steps if has_hf else None
   ratio = lambda step_s: (round(tokens / (prefill_s + steps * step_s) / hf_tps, 2) if has_hf
                           else None)
@@ -295,37 +353,15 @@ def time_interleaved(fns: dict, repeats: int) -> dict[str, tuple[float, float]]:
   return {name: (first[name], statistics.median(times[name])) for name in fns}
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--batch-sizes", default="1,8,32")
-  parser.add_argument("--prompt-len", type=int, default=64)
-  parser.add_argument("--new-tokens", type=int, default=128)
-  parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--vocab", type=int, default=8192)
-  parser.add_argument("--hidden", type=int, default=512)
-  parser.add_argument("--layers", type=int, default=8)
-  parser.add_argument("--heads", type=int, default=8)
-  parser.add_argument("--kv-heads", type=int, default=2)
-  parser.add_argument("--mlp", type=int, default=1536)
-  parser.add_argument("--skip-hf", action="store_true", help="time rljax only")
-  parser.add_argument("--hf-threads", default=f"{torch.get_num_threads()},1",
-                      help="torch thread counts to time HF with; the best one is the baseline")
-  parser.add_argument("--no-bf16", dest="bf16", action="store_false",
-                      help="skip the bf16 runs (rljax: SamplingConfig(dtype='bfloat16'); HF: "
-                      "the checkpoint loaded with dtype=torch.bfloat16)")
-  parser.add_argument("--decode-segments", type=int, default=None,
-                      help="SamplingConfig.decode_segments (default: automatic; 1: one decode "
-                      "loop over the whole cache)")
-  parser.add_argument("--batch-threads", type=int, default=0,
-                      help="SamplingConfig.batch_threads (default 0: automatic; 1: the whole "
-                      "batch in one call)")
-  parser.add_argument("--no-matmul-bound", dest="matmul_bound", action="store_false",
-                      help="skip timing the decode's projection matmuls alone (XLA and torch)")
-  parser.add_argument("--out", default=None, help="write the results as JSON here")
-  args = parser.parse_args(argv)
-  batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-  hf_threads = list(dict.fromkeys(int(t) for t in args.hf_threads.split(",")))
-  p, r = args.prompt_len, args.new_tokens
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  try:
+    batch_sizes = [int(b) for b in _BATCH_SIZES.value]
+    hf_threads = list(dict.fromkeys(int(t) for t in _HF_THREADS.value))
+  except ValueError as e:
+    raise app.UsageError(f"--batch_sizes and --hf_threads take integers: {e}") from None
+  p, r = _PROMPT_LEN.value, _NEW_TOKENS.value
 
   machine = measure_machine()
   print(f"machine: {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
@@ -335,11 +371,12 @@ def main(argv=None) -> int:
 
   rows = []
   with tempfile.TemporaryDirectory() as ckpt:
-    hf_model = make_checkpoint(ckpt, vocab=args.vocab, hidden=args.hidden, layers=args.layers,
-                               heads=args.heads, kv_heads=args.kv_heads, mlp=args.mlp)
+    hf_model = make_checkpoint(ckpt, vocab=_VOCAB.value, hidden=_HIDDEN.value,
+                               layers=_LAYERS.value, heads=_HEADS.value, kv_heads=_KV_HEADS.value,
+                               mlp=_MLP.value)
     # HF's bf16 run: the same checkpoint loaded in bf16, as its users load it.
     hf_models = {"": hf_model}
-    if args.bf16 and not args.skip_hf:
+    if _BF16.value and not _SKIP_HF.value:
       hf_models["bf16_"] = transformers.AutoModelForCausalLM.from_pretrained(
           ckpt, dtype=torch.bfloat16).eval()
     model = hf_io.load_hf_checkpoint(ckpt)
@@ -351,17 +388,17 @@ def main(argv=None) -> int:
     samplers = {
         dtype: sampling.Sampler(model, sampling.SamplingConfig(
             max_new_tokens=r, temperature=1.0, eos_token_ids=(), pad_token_id=0, dtype=dtype,
-            cache_dtype="float32", decode_segments=args.decode_segments,
-            batch_threads=args.batch_threads))
-        for dtype in (["float32", "bfloat16"] if args.bf16 else ["float32"])}
+            cache_dtype="float32", decode_segments=_DECODE_SEGMENTS.value,
+            batch_threads=_BATCH_THREADS.value))
+        for dtype in (["float32", "bfloat16"] if _BF16.value else ["float32"])}
     rng = np.random.default_rng(0)
     for b in batch_sizes:
-      prompts = rng.integers(0, args.vocab, size=(b, p))
+      prompts = rng.integers(0, _VOCAB.value, size=(b, p))
       seeds = iter(range(1_000_000))
       fns = {dtype: functools.partial(
           lambda s: s.generate(prompts.tolist(), seed=next(seeds)), sampler)
              for dtype, sampler in samplers.items()}
-      if not args.skip_hf:
+      if not _SKIP_HF.value:
         ids = torch.tensor(prompts)
         attn = torch.ones_like(ids)
 
@@ -377,12 +414,12 @@ def main(argv=None) -> int:
           for threads in hf_threads:
             fns[f"hf_{prefix}{threads}"] = functools.partial(
                 with_torch_threads, threads, functools.partial(hf_generate, m))
-      timed = time_interleaved(fns, args.repeats)
+      timed = time_interleaved(fns, _REPEATS.value)
       first, rl_s = timed["float32"]
       rl_tps = b * r / rl_s
 
       def hf_rates(prefix: str) -> dict[int, float]:
-        """HF's tokens/s by torch thread count (none with --skip-hf or --no-bf16)."""
+        """HF's tokens/s by torch thread count (none with --skip_hf or --nobf16)."""
         return {t: b * r / timed[f"hf_{prefix}{t}"][1] for t in hf_threads
                 if f"hf_{prefix}{t}" in timed}
 
@@ -405,9 +442,9 @@ def main(argv=None) -> int:
           "roofline_tokens_per_s": round(roofline_tokens_per_s(b, **f32), 1),
           "roofline_e2e_tokens_per_s": round(roofline_e2e_tokens_per_s(b, **f32), 1),
       }
-      if args.matmul_bound:
+      if _MATMUL_BOUND.value:
         row.update(matmul_bound(model, hf_model, samplers["float32"], b, r, hf_tps,
-                                args.repeats))
+                                _REPEATS.value))
       if "bfloat16" in timed:
         bf_tps = b * r / timed["bfloat16"][1]
         hf_bf16 = hf_rates("bf16_")
@@ -429,7 +466,7 @@ def main(argv=None) -> int:
 
   header = ["batch", "rljax f32 tok/s", "HF f32 tok/s", "ratio", "compile s", "rljax threads",
             "roofline f32 (decode / e2e)"]
-  if args.bf16:
+  if _BF16.value:
     header += ["rljax bf16 tok/s", "HF bf16 tok/s", "bf16 ratio (vs HF bf16 / f32)",
                "roofline bf16 (decode / e2e)"]
   print("\n| " + " | ".join(header) + " |")
@@ -439,13 +476,13 @@ def main(argv=None) -> int:
              f"{row['hf_tokens_per_s']:.0f}", f"{row['ratio_vs_hf']}",
              f"{row['rljax_compile_s']:.1f}", row["rljax_batch_threads"],
              f"{row['roofline_tokens_per_s']:.0f} / {row['roofline_e2e_tokens_per_s']:.0f}"]
-    if args.bf16:
+    if _BF16.value:
       cells += [f"{row['rljax_bf16_tokens_per_s']:.0f}", f"{row['hf_bf16_tokens_per_s']:.0f}",
                 f"{row['ratio_bf16_vs_hf_bf16']} / {row['ratio_bf16_vs_hf']}",
                 f"{row['roofline_bf16_tokens_per_s']:.0f} / "
                 f"{row['roofline_e2e_bf16_tokens_per_s']:.0f}"]
     print("| " + " | ".join(str(c) for c in cells) + " |")
-  if args.matmul_bound and not args.skip_hf:
+  if _MATMUL_BOUND.value and not _SKIP_HF.value:
     header = ["batch", "rljax prefill s", "rljax decode step ms", "step ms for 3x HF",
               "matmuls alone ms: XLA / torch", "ratio if a step were its matmuls: XLA / torch"]
     print("\n| " + " | ".join(header) + " |")
@@ -456,16 +493,15 @@ def main(argv=None) -> int:
                f"{row['xla_matmul_step_ms']} / {row['torch_matmul_step_ms']}",
                f"{row['xla_matmul_bound_ratio_vs_hf']} / {row['torch_matmul_bound_ratio_vs_hf']}"]
       print("| " + " | ".join(str(c) for c in cells) + " |")
-  if args.out:
-    with open(args.out, "w") as f:
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
       json.dump({"results": rows, "machine": machine, "n_params": n_params, "load_avg":
                  os.getloadavg(),
                  "prompt_len": p, "new_tokens": r, "jax": jax.__version__,
                  "decode_segment_ends": samplers["float32"].config.segment_ends,
                  "torch": torch.__version__, "transformers": transformers.__version__}, f,
                 indent=2)
-  return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  cli.run(main, DEPRECATED_FLAGS)

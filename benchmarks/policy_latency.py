@@ -15,6 +15,9 @@ Networks: ``default`` is ``ControlConfig``'s policy MLP (32x4, swish) on Cartpol
 sizes (5 -> 1); ``default-ant`` the same MLP on Brax ant's sizes (27 -> 8);
 ``cartpole-bundled`` the bundled CartpoleBalance config's 64x2 MLP. The target is a
 p99 below 1 ms for the default MLP.
+
+Flags: ``--iters`` (timed calls per measurement), ``--warmup`` (untimed calls before them) and
+``--out`` (the JSON file).
 """
 
 from __future__ import annotations

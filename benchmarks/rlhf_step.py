@@ -1,8 +1,9 @@
 r"""One GRPO training step: rljax vs TRL's ``GRPOTrainer`` on the same tiny checkpoint, CPU.
 
     python benchmarks/rlhf_step.py --out=/tmp/rlhf_step.json
+    python benchmarks/rlhf_step.py --skip_trl --steps=3     # rljax alone
 
-Setup (issue 4): a Llama-style model of ~7M parameters (hidden 256, 4 layers, 4 heads, 2 KV
+Setup: a Llama-style model of ~7M parameters (hidden 256, 4 layers, 4 heads, 2 KV
 heads, vocabulary 8192) made with ``transformers`` and saved to a temporary folder, loaded by
 both; 8 prompts x 4 generations; 64-token prompts; 32 new tokens; a programmatic reward (the
 fraction of even token ids in the completion). TRL runs with its defaults (bf16 autocast,
@@ -22,12 +23,15 @@ one pass over the batch costs ``2 * N_body`` per token of the prompt + response 
 needed; generation needs them only for the new tokens). The step is generation (1 pass),
 the reference forward (1 pass, only when beta > 0) and the policy's forward + backward (3
 passes). No old-log-prob pass: with one iteration per generation TRL skips it, and rljax
-runs with ``reuse_rollout_log_probs``. ``trl`` is a benchmark-only dependency.
+runs with ``reuse_rollout_log_probs``. ``trl`` is a benchmark-only dependency
+(``pip install -e ".[bench]"``).
+
+Flags: ``--steps`` (timed steps, after 2 warm-up steps), ``--skip_trl`` (time rljax alone) and
+``--out`` (the JSON file).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -35,6 +39,11 @@ import tempfile
 import time
 
 import numpy as np
+from absl import app, flags
+
+_OUT = flags.DEFINE_string("out", None, "Write the JSON result here.")
+_STEPS = flags.DEFINE_integer("steps", 5, "Timed steps (after 2 warm-up steps).", lower_bound=1)
+_SKIP_TRL = flags.DEFINE_bool("skip_trl", False, "Time rljax only (TRL need not be installed).")
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB, INTER = 256, 4, 4, 2, 8192, 688
 PROMPTS, GROUP, PROMPT_LEN, NEW = 8, 4, 64, 32
@@ -167,12 +176,9 @@ def trl_step(path: str, beta: float, bf16_defaults: bool, steps: int) -> float:
   return statistics.median(times[2:])
 
 
-def main():
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--out", default=None, help="JSON output path")
-  ap.add_argument("--steps", type=int, default=5, help="timed steps (after 2 warm-up steps)")
-  ap.add_argument("--skip_trl", action="store_true", help="time rljax only")
-  a = ap.parse_args()
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   load_start = os.getloadavg()
   throughput = {dt: matmul_flops_per_s(dt) for dt in ("float32", "bfloat16")}
   rows = []
@@ -180,9 +186,9 @@ def main():
     make_checkpoint(path)
     for name, beta, bf16 in (("TRL defaults (bf16, grad ckpt, beta=0)", 0.0, True),
                              ("fp32, beta=0.04", 0.04, False)):
-      rj = rljax_step(path, beta, a.steps, compute_dtype="bfloat16" if bf16 else "float32")
-      rj_f32 = rljax_step(path, beta, a.steps)["step_s"] if bf16 else rj["step_s"]
-      trl_s = None if a.skip_trl else trl_step(path, beta, bf16, a.steps)
+      rj = rljax_step(path, beta, _STEPS.value, compute_dtype="bfloat16" if bf16 else "float32")
+      rj_f32 = rljax_step(path, beta, _STEPS.value)["step_s"] if bf16 else rj["step_s"]
+      trl_s = None if _SKIP_TRL.value else trl_step(path, beta, bf16, _STEPS.value)
       rows.append(dict(setting=name, beta=beta, rljax_step_s=rj["step_s"], trl_step_s=trl_s,
                        ratio_vs_trl=None if trl_s is None else trl_s / rj["step_s"],
                        rljax_compute_dtype="bfloat16" if bf16 else "float32",
@@ -205,11 +211,10 @@ def main():
                 headline_setting=head["setting"], matmul_flops_per_s=throughput, rows=rows,
                 load_average_start=load_start, load_average_end=os.getloadavg())
   print(f"load average (1, 5, 15 min): start {load_start}, end {result['load_average_end']}")
-  if a.out:
-    with open(a.out, "w") as f:
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
       json.dump(result, f, indent=2)
-  return result
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)

@@ -33,6 +33,7 @@ import time  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from rljax import checkpoint as ckpt_lib  # noqa: E402
+from rljax import cli  # noqa: E402
 from rljax import run_info, runtime  # noqa: E402
 from rljax.sharding import distributed  # noqa: E402
 
@@ -41,15 +42,14 @@ _ALGO = flags.DEFINE_string("algo", "ppo", f"Training algorithm: {', '.join(ALGO
 _EVAL_VIDEO = flags.DEFINE_list(
     "eval_video", [], "Video formats (mp4, gif) written at each evaluation to "
     "<logdir>/videos/eval_<env_steps>.<format> (PPO only); empty = no videos.")
-_VIDEO_SIZE = flags.DEFINE_list("video_size", ["240", "320"], "Eval video height,width in pixels.")
+_VIDEO_SIZE = cli.define_video_size_flag()
 _WANDB = run_info.define_wandb_flag()
 _ENV = flags.DEFINE_string("env", "playground/CartpoleBalance", "Environment name (rljax.envs.list_envs()).")
 _LOGDIR = flags.DEFINE_string("logdir", None, "Output directory (default runs/<env>-<time>).")
 _MENAGERIE = flags.DEFINE_string(
     "menagerie_path", None, "Local MuJoCo Menagerie checkout, for Playground's locomotion and "
     "manipulation environments (default $MUJOCO_MENAGERIE_PATH; this flag sets it).")
-_CACHE = flags.DEFINE_bool("compilation_cache", True, "Use JAX's persistent compilation cache.")
-_CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", None, "Cache directory (default ~/.cache/rljax).")
+_CACHE = cli.define_compilation_cache_flags()
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Print tracebacks for user errors.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
 _MESH = flags.DEFINE_string(
@@ -87,7 +87,8 @@ _HELP = {
                         "over, one at a time (default 1; must divide a minibatch's segments; "
                         "same update up to rounding).",
     "learning_rate": "Adam learning rate.",
-    "lr_schedule": "Learning-rate schedule: constant, linear (to 0 at the end) or cosine.",
+    "lr_schedule": "Learning-rate schedule: constant, linear (to 0 at the end) or cosine; with "
+                   "--algo=apg constant or exponential (with --lr_decay).",
     "max_grad_norm": "Global gradient-norm clip (default none, as in Brax).",
     "vf_coef": "Value loss weight.",
     "reward_scaling": "Rewards are multiplied by this for training.",
@@ -131,7 +132,8 @@ _HELP = {
     "horizon_length": "APG: steps per policy update (the differentiated rollout).",
     "truncation_length": "APG: gradients flow back at most this many steps (0 = horizon_length).",
     "num_updates": "APG: policy updates in the run.",
-    "lr_decay": "APG: per-update learning-rate decay (1 = constant).",
+    "lr_decay": "APG: the exponential --lr_schedule's per-update factor (given alone, it "
+                "implies --lr_schedule=exponential).",
     "solver_iterations": "APG: MJX opt.iterations for training (1 makes MJX differentiable).",
     "ls_iterations": "APG: MJX opt.ls_iterations for training.",
 }
@@ -250,12 +252,7 @@ def video_options():
     return None
   if _ALGO.value != "ppo":
     raise ValueError(f"--eval_video works with --algo=ppo only, got --algo={_ALGO.value}.")
-  try:
-    height, width = (int(v) for v in _VIDEO_SIZE.value)
-  except ValueError:
-    raise ValueError(
-        f"--video_size must be two integers HEIGHT,WIDTH, got {','.join(_VIDEO_SIZE.value)!r}."
-    ) from None
+  height, width = cli.video_size(_VIDEO_SIZE)
   from rljax.control import render
 
   return render.check_video_options(formats, height, width), height, width
@@ -343,8 +340,7 @@ def main(argv):
       ckpt_lib.check_fits(logdir, num_devices=mesh.size if mesh is not None else 1,
                           device_bytes=ckpt_lib.device_bytes_from_flag(_DEVICE_MEMORY.value))
     run_info.start_run(logdir, config, use_wandb=_WANDB.value, extra={"algo": _ALGO.value})
-    if _CACHE.value:
-      runtime.enable_compilation_cache(_CACHE_DIR.value)
+    _CACHE.apply()
     try:
       if _ALGO.value == "apg":
         from rljax.control import apg

@@ -48,7 +48,7 @@ import time  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from rljax import checkpoint as ckpt_lib  # noqa: E402
-from rljax import run_info, runtime  # noqa: E402
+from rljax import cli, run_info, runtime  # noqa: E402
 from rljax.alignment import flags as alignment_flags  # noqa: E402
 
 _ALGOS = ("ppo", "grpo", "rloo", "reinforce_pp")
@@ -83,7 +83,6 @@ _NONFINITE = flags.DEFINE_enum(
 _COMPUTE_DTYPE = flags.DEFINE_enum(
     "compute_dtype", None, ["float32", "bfloat16"], "Mixed precision: the dtype of every forward "
     "and backward matmul (bfloat16: as TRL's --bf16 autocast); weights and optimizer stay f32.")
-_CACHE = flags.DEFINE_bool("compilation_cache", True, "Use JAX's persistent compilation cache.")
 # Role placement (rljax.alignment.pipeline.make_placement) beside --mesh and --sharding_rules.
 _PLACEMENT = flags.DEFINE_string(
     "placement", "colocated", "colocated (all roles on one mesh; the actor is resharded from the "
@@ -95,8 +94,6 @@ _OFFLOAD = flags.DEFINE_bool(
 _DEVICE_MEMORY = ckpt_lib.define_device_memory_flag()
 _CKPT_EVERY = flags.DEFINE_integer("checkpoint_every", 10, "RL steps between checkpoints.")
 _KEEP = flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept (the newest).")
-_CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", None,
-                                 "Cache directory (default ~/.cache/rljax).")
 # Stage sizes (tests and quick runs use small ones).
 _SFT_STEPS = alignment_flags.define_sft_steps_flag(
     f"SFT steps ({alignment_flags.default_steps('sft_steps')}; 0 skips SFT, e.g. for a "
@@ -241,8 +238,7 @@ def main(argv):
           device_bytes=ckpt_lib.device_bytes_from_flag(_DEVICE_MEMORY.value),
           extra_items=(os.path.join(ckpting.frozen_dir(logdir), "roles"),))
     run_info.start_run(logdir, config, use_wandb=_F.wandb.value)
-    if _CACHE.value:
-      runtime.enable_compilation_cache(_CACHE_DIR.value)
+    _F.compilation_cache.apply()
     from rljax.alignment import checkpointing
     from rljax.nonfinite import NonFiniteHalt
 
@@ -297,10 +293,11 @@ def report(pipeline, config, logdir, **kw) -> None:
         f"{data}: reward model held-out accuracy {s['rm_accuracy']:.3f} "
         f"(95% CI {lo:.3f}-{hi:.3f}, n={s['rm_heldout']}); {_ALGO.value} reward "
         f"{s['reward_first']:.3f} (first {_steps(s['summary_steps'])}) -> "
-        f"{s['reward_last']:.3f} (last {s['summary_steps']}), "
+        f"{s['reward_last']:.3f} (last {s['summary_steps']}; reward-model score/mean "
+        f"{s.get('score_first', float('nan')):.3f} -> {s.get('score_last', float('nan')):.3f}), "
         f"KL last {pipeline.nats(s['kl_last'])} max {pipeline.nats(s['kl_max'])}; "
         f"{_wall(s, config)}; logdir {logdir}")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, alignment_flags.DEPRECATED_ALIASES)

@@ -24,7 +24,7 @@ import time  # noqa: E402
 from absl import app  # noqa: E402
 
 from rljax import checkpoint as ckpt_lib  # noqa: E402
-from rljax import run_info, runtime  # noqa: E402
+from rljax import cli, run_info, runtime  # noqa: E402
 from rljax.alignment import flags as alignment_flags  # noqa: E402
 
 # --preference_data, --logdir, --num_steps, --pretrain_steps, --limit, --seed, --verbose, --mesh,
@@ -61,7 +61,7 @@ def main(argv):
     ckpt_lib.check_logdir(logdir, pipeline.saved_run(cfg, data, stop_after="sft"),
                           resume=kw["resume"], flag_names={"sft_steps": "--num_steps"})
     run_info.start_run(logdir, cfg, use_wandb=_F.wandb.value)
-    runtime.enable_compilation_cache()
+    _F.compilation_cache.apply()
     from rljax.alignment import checkpointing
 
     def go(sigterm):
@@ -86,4 +86,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, alignment_flags.DEPRECATED_ALIASES)

@@ -173,8 +173,8 @@ def _cases(tmp_path, existing, hf=None):
       "rm_sft_steps_negative": ("train_reward_model.py", [f"--preference_data={good}",
                                                           "--sft_steps=-2", n],
                                 "--sft_steps must be >= 0, got -2"),
-      "lr_not_positive": ("train_sft.py", [f"--preference_data={good}", "--lr=0", n],
-                          "--lr must be > 0, got 0.0"),
+      "lr_not_positive": ("train_sft.py", [f"--preference_data={good}", "--pretrain_lr=0", n],
+                          "--pretrain_lr must be > 0, got 0.0"),
       "limit_without_data": ("train_rlhf.py", ["--limit=10", n],
                              "--limit applies to --preference_data runs only (the embedded "
                              "addition task reads no preference pairs); got --limit=10"),
@@ -344,7 +344,7 @@ def test_preference_config_rejects_bad_step_counts_and_rates():
     pipeline.PreferenceConfig(reward_model="rm")
   assert pipeline.PreferenceConfig(pretrain_steps=0).pretrain_steps == 0
   # The rates, where the library (not only the scripts' flags) builds the config.
-  for name, bad in (("lr", 0.0), ("rm_lr", -1e-5), ("lr", float("nan"))):
+  for name, bad in (("pretrain_lr", 0.0), ("rm_lr", -1e-5), ("pretrain_lr", float("nan"))):
     with pytest.raises(ValueError, match=rf"^{name} must be > 0, got {bad}.$"):
       pipeline.PreferenceConfig(**{name: bad})
 
@@ -585,7 +585,7 @@ def test_stage_flag_check_names_the_flag_and_its_bound():
 
 def test_sft_lr_flag_sets_the_sft_learning_rate():
   """``--sft_lr`` (rljax.alignment.flags.DataFlags) sets SFT's rate; without it SFT runs at
-  ``--lr / 2`` (1e-3 from scratch, 5e-6 with ``--model``: OpenRLHF's). ``--lr`` beside both
+  ``--pretrain_lr / 2`` (1e-3 from scratch, 5e-6 with ``--model``: OpenRLHF's). ``--pretrain_lr`` beside both
   ``--model`` and ``--sft_lr`` would set nothing, so it is refused."""
   from absl import flags as absl_flags
 
@@ -598,7 +598,7 @@ def test_sft_lr_flag_sets_the_sft_learning_rate():
   holders.update({name: absl_flags.DEFINE_integer(name, None, "", flag_values=fv)
                   for name in ("max_prompt_len", "vocab_size")})
   holders.update({name: absl_flags.DEFINE_float(name, None, "", flag_values=fv)
-                  for name in ("lr", "sft_lr", "rm_lr")})
+                  for name in ("pretrain_lr", "sft_lr", "rm_lr")})
   holders["overlong_prompts"] = absl_flags.DEFINE_string("overlong_prompts", "truncate", "",
                                                          flag_values=fv)
   data_flags = alignment_flags.DataFlags(**holders)
@@ -610,16 +610,16 @@ def test_sft_lr_flag_sets_the_sft_learning_rate():
     return dataclasses.replace(base, **data_flags.overrides())
 
   assert config().sft_learning_rate == 1e-3
-  assert config("--lr=4e-3").sft_learning_rate == 2e-3
-  assert config("--lr=4e-3", "--sft_lr=3e-4").sft_learning_rate == 3e-4
+  assert config("--pretrain_lr=4e-3").sft_learning_rate == 2e-3
+  assert config("--pretrain_lr=4e-3", "--sft_lr=3e-4").sft_learning_rate == 3e-4
   assert config("--model=m").sft_learning_rate == 5e-6
   assert config("--model=m", "--sft_lr=2e-5").sft_learning_rate == 2e-5
   with pytest.raises(ValueError, match=r"^--sft_lr must be > 0, got -1.0$"):
     config("--sft_lr=-1")
-  with pytest.raises(ValueError, match=r"^--lr=1e-05 would set nothing: it is the pre-training "
+  with pytest.raises(ValueError, match=r"^--pretrain_lr=1e-05 would set nothing: it is the pre-training "
                                        r"learning rate, --model skips pre-training, and "
-                                       r"--sft_lr=2e-05 sets SFT's; drop --lr$"):
-    config("--model=m", "--lr=1e-5", "--sft_lr=2e-5")
+                                       r"--sft_lr=2e-05 sets SFT's; drop --pretrain_lr$"):
+    config("--model=m", "--pretrain_lr=1e-5", "--sft_lr=2e-5")
 
 
 def test_split_that_leaves_no_training_pair_names_what_would():

@@ -98,16 +98,20 @@ def test_quickstart_control_notebook(tmp_path):
 def test_quickstart_rlhf_notebook(tmp_path):
   nb, res = run_notebook(
       "quickstart_rlhf.ipynb",
-      dict(MAX_OPERAND=20, PRETRAIN_STEPS=20, SFT_STEPS=10, RM_PAIRS=200, RM_STEPS=10,
-           PPO_STEPS=3, PROMPTS_PER_STEP=8, KL_COEF=0.02, NUM_EVAL_PROMPTS=16, SEED=0),
-      ["PPO_HISTORY", "ACCURACY_BEFORE", "ACCURACY_AFTER", "SAMPLES_BEFORE", "SAMPLES_AFTER"],
+      dict(MAX_OPERAND=20, PRETRAIN_STEPS=20, SFT_STEPS=10, PPO_STEPS=3, PROMPTS_PER_STEP=8,
+           KL_COEF=0.02, NUM_EVAL_PROMPTS=16, SEED=0, RM_PAIRS=200, RM_STEPS=10, RM_PPO_STEPS=2),
+      ["PPO_HISTORY", "ACCURACY_BEFORE", "ACCURACY_AFTER", "SAMPLES_BEFORE", "SAMPLES_AFTER",
+       "RM_PPO_HISTORY", "ACCURACY_AFTER_RM"],
       tmp_path)
   history = res["PPO_HISTORY"]
   assert [h["step"] for h in history] == [1, 2, 3]
   for h in history:
     assert math.isfinite(h["reward/mean"]) and math.isfinite(h["kl"]), h
   assert history[0]["kl"] == pytest.approx(0.0, abs=1e-4)  # actor == reference at step 1
-  for key in ("ACCURACY_BEFORE", "ACCURACY_AFTER"):
+  # Part 2: PPO against the learned reward model, scored by it.
+  assert [h["step"] for h in res["RM_PPO_HISTORY"]] == [1, 2]
+  assert all(math.isfinite(h["score/mean"]) for h in res["RM_PPO_HISTORY"])
+  for key in ("ACCURACY_BEFORE", "ACCURACY_AFTER", "ACCURACY_AFTER_RM"):
     assert 0.0 <= res[key] <= 1.0 and res[key] * 16 == round(res[key] * 16)  # k of 16 right
   assert len(res["SAMPLES_BEFORE"]) == len(res["SAMPLES_AFTER"]) == 8
   assert all(isinstance(s, str) for s in res["SAMPLES_BEFORE"] + res["SAMPLES_AFTER"])

@@ -125,12 +125,12 @@ def test_pretrained_model_defaults_to_fine_tuning_learning_rates():
   from-scratch defaults are 200x, 56x, 100x and 56x higher); nothing else changes."""
   scratch, tuned = pipeline.preference_defaults(), pipeline.preference_defaults("m")
   assert scratch == pipeline.PreferenceConfig()
-  assert (tuned.lr / 2, tuned.rm_lr, tuned.rl.actor_lr, tuned.rl.critic_lr) == \
+  assert (tuned.pretrain_lr / 2, tuned.rm_lr, tuned.rl.actor_lr, tuned.rl.critic_lr) == \
       (5e-6, 9e-6, 5e-7, 9e-6)
-  assert (scratch.lr / 2, scratch.rm_lr, scratch.rl.actor_lr, scratch.rl.critic_lr) == \
+  assert (scratch.pretrain_lr / 2, scratch.rm_lr, scratch.rl.actor_lr, scratch.rl.critic_lr) == \
       (1e-3, 5e-4, 5e-5, 5e-4)
-  same = dataclasses.replace(tuned, model=None, lr=scratch.lr, rm_lr=scratch.rm_lr,
-                             rl=scratch.rl)
+  same = dataclasses.replace(tuned, model=None, pretrain_lr=scratch.pretrain_lr,
+                             rm_lr=scratch.rm_lr, rl=scratch.rl)
   assert same == scratch
 
 
@@ -152,7 +152,7 @@ def test_train_rlhf_with_model_starts_from_the_pretrained_rates(hf_folder, tmp_p
        f"--logdir={logdir}", "--nocompilation_cache"],
       capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
   assert out.returncode == 2, out.stderr[-3000:]
-  for diff in ("(lr: saved 0.002, now 1e-05;", f"model: saved None, now {hf_folder!r};",
+  for diff in (f"(model: saved None, now {hf_folder!r};", "pretrain_lr: saved 0.002, now 1e-05;",
                "rl.actor_lr: saved 5e-05, now 5e-07;", "rl.critic_lr: saved 0.0005, now 2e-05;",
                "rm_lr: saved 0.0005, now 9e-06)"):
     assert diff in out.stderr, out.stderr[-3000:]

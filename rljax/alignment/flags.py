@@ -13,7 +13,7 @@ from typing import Any
 
 from absl import flags
 
-from rljax import run_info
+from rljax import cli, run_info
 from rljax.sharding import distributed
 
 # The flags the functions below define belong to the script that calls them, so absl lists
@@ -26,7 +26,7 @@ def checked(holder: flags.FlagHolder, *, at_least: float | None = None,
   """The value of flag ``holder`` (None when it was not given), checked against its bound.
 
   ``at_least``: the smallest allowed value (``--num_steps``: 1, ``--pretrain_steps``: 0);
-  ``above``: an exclusive lower bound (``--lr``: 0; also refuses NaN). Every stage flag of
+  ``above``: an exclusive lower bound (``--pretrain_lr``: 0; also refuses NaN). Every stage flag of
   the alignment scripts is checked here, so their errors read alike.
 
   Raises:
@@ -72,6 +72,10 @@ def define_sft_steps_flag(help_text: str) -> flags.FlagHolder:
   return flags.DEFINE_integer("sft_steps", None, help_text)
 
 
+# Old spellings kept for one release (`rljax.cli.run` rewrites them): old -> current.
+DEPRECATED_ALIASES = {"--lr": "--pretrain_lr"}
+
+
 @dataclasses.dataclass(frozen=True)
 class DataFlags:
   """The preference-data flags: prompt budget, tokenizer, pretrained model."""
@@ -81,7 +85,7 @@ class DataFlags:
   tokenizer: Any
   vocab_size: Any
   model: Any
-  lr: Any
+  pretrain_lr: Any
   sft_lr: Any
   rm_lr: Any  # None where the script trains no reward model (train_sft.py)
 
@@ -95,7 +99,8 @@ class DataFlags:
 
     Raises:
       ValueError: ``--model`` with ``--tokenizer`` or ``--vocab_size`` (both come from the
-        model folder); ``--lr``, ``--sft_lr`` or ``--rm_lr`` not > 0; ``--lr`` with both
+        model folder); ``--pretrain_lr``, ``--sft_lr`` or ``--rm_lr`` not > 0;
+        ``--pretrain_lr`` with both
         ``--model`` and ``--sft_lr`` (it would set nothing: ``--model`` skips pre-training).
     """
     if self.model.value is not None:
@@ -103,12 +108,13 @@ class DataFlags:
         if getattr(self, name).value is not None:
           raise ValueError(f"--{name} cannot be combined with --model: the tokenizer and the "
                            f"vocabulary come from the model folder {self.model.value!r}")
-      if self.lr.value is not None and self.sft_lr.value is not None:
-        raise ValueError(f"--lr={self.lr.value} would set nothing: it is the pre-training "
+      if self.pretrain_lr.value is not None and self.sft_lr.value is not None:
+        raise ValueError(f"--pretrain_lr={self.pretrain_lr.value} would set nothing: it is the "
+                         f"pre-training "
                          f"learning rate, --model skips pre-training, and --sft_lr="
-                         f"{self.sft_lr.value} sets SFT's; drop --lr")
+                         f"{self.sft_lr.value} sets SFT's; drop --pretrain_lr")
     out = {"overlong_prompts": self.overlong_prompts.value}
-    rates = ("lr", "sft_lr", "rm_lr")
+    rates = ("pretrain_lr", "sft_lr", "rm_lr")
     for key in ("max_prompt_len", "tokenizer", "vocab_size", "model", *rates):
       holder = getattr(self, key)
       value = None if holder is None else (
@@ -119,13 +125,13 @@ class DataFlags:
 
   def base_config(self):
     """``rljax.alignment.pipeline.preference_defaults`` for ``--model``: with a pretrained
-    model its lower learning rates, before :meth:`overrides` (e.g. ``--lr``) apply."""
+    model its lower learning rates, before :meth:`overrides` (e.g. ``--pretrain_lr``) apply."""
     from rljax.alignment import pipeline
 
     return pipeline.preference_defaults(self.model.value)
 
   def check_data(self, preference_data: str | None) -> None:
-    """Raises ValueError for ``--model``, ``--lr``, ``--sft_lr``, ``--rm_lr``,
+    """Raises ValueError for ``--model``, ``--pretrain_lr``, ``--sft_lr``, ``--rm_lr``,
     ``--max_prompt_len``, ``--overlong_prompts``, ``--tokenizer`` or ``--vocab_size`` without
     ``--preference_data`` (the embedded task trains its own tiny model on its own character
     tokenizer, so they would be silently ignored)."""
@@ -134,7 +140,7 @@ class DataFlags:
     if self.model.value is not None:
       raise ValueError(f"--model {self.model.value!r} needs --preference_data=PATH (the "
                        f"embedded addition task trains its own tiny model)")
-    for name in ("lr", "sft_lr", "rm_lr"):
+    for name in ("pretrain_lr", "sft_lr", "rm_lr"):
       if self._given(name) is not None:
         raise ValueError(f"--{name} applies to --preference_data runs only (the embedded "
                          f"addition task keeps its own learning rates)")
@@ -146,10 +152,11 @@ class DataFlags:
 
 def define_data_flags(*, reward_model: bool = True) -> DataFlags:
   """``--max_prompt_len``, ``--overlong_prompts``, ``--tokenizer``, ``--vocab_size``, ``--model``,
-  ``--lr``, ``--sft_lr``, and ``--rm_lr`` where ``reward_model`` (the script trains a reward
+  ``--pretrain_lr`` (``--lr``, its old spelling), ``--sft_lr``, and ``--rm_lr`` where
+  ``reward_model`` (the script trains a reward
   model; not ``train_sft.py``, whose ``--help`` then does not list it and absl rejects it as
   unknown)."""
-  return DataFlags(
+  data = DataFlags(
       max_prompt_len=flags.DEFINE_integer(
           "max_prompt_len", None, "Prompt length limit in tokens."),
       overlong_prompts=flags.DEFINE_enum(
@@ -167,16 +174,17 @@ def define_data_flags(*, reward_model: bool = True) -> DataFlags:
           "--preference_data; not with --tokenizer or --vocab_size. Its learning rates default "
           "to OpenRLHF's for pretrained models (rljax.alignment.pipeline."
           "PRETRAINED_LEARNING_RATES: SFT 5e-6, reward model 9e-6, actor 5e-7, critic 9e-6)."),
-      lr=flags.DEFINE_float(
-          "lr", None, "--preference_data: pre-training learning rate; SFT runs at half of it "
-          "unless --sft_lr is given (default 2e-3 from scratch, 1e-5 with --model)."),
+      pretrain_lr=flags.DEFINE_float(
+          "pretrain_lr", None, "--preference_data: pre-training learning rate; SFT runs at "
+          "half of it unless --sft_lr is given (default 2e-3 from scratch, 1e-5 with --model)."),
       sft_lr=flags.DEFINE_float(
-          "sft_lr", None, "--preference_data: SFT learning rate (default --lr / 2: 1e-3 from "
-          "scratch, 5e-6 with --model, OpenRLHF's for pretrained models)."),
+          "sft_lr", None, "--preference_data: SFT learning rate (default --pretrain_lr / 2: "
+          "1e-3 from scratch, 5e-6 with --model, OpenRLHF's for pretrained models)."),
       rm_lr=flags.DEFINE_float(
           "rm_lr", None, "--preference_data: reward-model learning rate (default 5e-4 from "
           "scratch, 9e-6 with --model).") if reward_model else None,
   )
+  return data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +226,7 @@ class StageFlags:
   wandb: Any
   resume: Any
   stage_checkpoint_every: Any
+  compilation_cache: cli.CompilationCacheFlags
   mesh: MeshFlags
   data: DataFlags
   logdir_prefix: str
@@ -304,8 +313,9 @@ def define_stage_flags(*, logdir_prefix: str, data_help: str, steps_help: str,
                        rules_help: str | None = None) -> StageFlags:
   """Defines ``--preference_data`` (help ``data_help``), ``--logdir`` (default
   ``runs/<logdir_prefix>-<time>``), ``--num_steps`` (help ``steps_help``), ``--pretrain_steps``,
-  ``--limit``, ``--seed``, ``--verbose``, ``--resume``, ``--stage_checkpoint_every``, the mesh flags (`define_mesh_flags`, with ``mesh_help``
-  and ``rules_help`` where given), the process flags, ``--wandb`` and the data flags
+  ``--limit``, ``--seed``, ``--verbose``, ``--resume``, ``--stage_checkpoint_every``, the
+  compilation-cache flags (`rljax.cli`), the mesh flags (`define_mesh_flags`, with
+  ``mesh_help`` and ``rules_help`` where given), the process flags, ``--wandb`` and the data flags
   (`define_data_flags`, ``--rm_lr`` only where ``reward_model``); call once, at a script's
   module level. ``embedded``: the script runs the embedded task without ``--preference_data``
   (the help then names both configs' default stage sizes)."""
@@ -334,6 +344,7 @@ def define_stage_flags(*, logdir_prefix: str, data_help: str, steps_help: str,
           "stage_checkpoint_every", 100, "Steps of pre-training, SFT and reward-model training "
           "between saves of their state under <logdir>/stages, which a rerun after a SIGKILL or "
           "a lost node continues from (0: only on SIGTERM and at each stage's end)."),
+      compilation_cache=cli.define_compilation_cache_flags(),
       # Preference data: prompt budget, tokenizer, --model.
       data=define_data_flags(reward_model=reward_model),
       logdir_prefix=logdir_prefix,

@@ -92,10 +92,11 @@ class PreferenceConfig:
     max_prompt_len, max_response_len: token truncation (prompt keeps its end).
     pretrain_steps, sft_steps, rm_steps: steps of each stage.
     batch_size: SFT/pre-training batch; ``rm_batch_size``: pairs per RM step.
-    lr, rm_lr: learning rates: pre-training at ``lr``, SFT at ``lr / 2`` (unless ``sft_lr``),
+    pretrain_lr, rm_lr: learning rates: pre-training at ``pretrain_lr``, SFT at
+      ``pretrain_lr / 2`` (unless ``sft_lr``),
       the reward model at ``rm_lr``. Tuned for the tiny model trained from scratch;
       :func:`preference_defaults` gives the lower ones for a pretrained ``model``.
-    sft_lr: SFT's learning rate; None (default) means ``lr / 2``. With a ``model`` (no
+    sft_lr: SFT's learning rate; None (default) means ``pretrain_lr / 2``. With a ``model`` (no
       pre-training) this is the one rate SFT uses, as OpenRLHF's ``train_sft --learning_rate``.
     rm_margin: Bradley-Terry margin (>= 0).
     eval_fraction: reward-model held-out fraction.
@@ -148,7 +149,7 @@ class PreferenceConfig:
   rm_steps: int = 150
   batch_size: int = 32
   rm_batch_size: int = 32
-  lr: float = 2e-3
+  pretrain_lr: float = 2e-3
   rm_lr: float = 5e-4
   sft_lr: float | None = None
   rm_margin: float = 0.0
@@ -186,23 +187,23 @@ class PreferenceConfig:
     if self.limit is not None and self.limit < 1:
       raise ValueError(f"limit (--limit, preference pairs to read) must be >= 1, got "
                        f"{self.limit}.")
-    for name in ("lr", "rm_lr", "sft_lr"):
+    for name in ("pretrain_lr", "rm_lr", "sft_lr"):
       value = getattr(self, name)
       if value is not None and not value > 0:  # also refuses NaN
         raise ValueError(f"{name} must be > 0, got {value}.")
 
   @property
   def sft_learning_rate(self) -> float:
-    """SFT's learning rate: ``sft_lr``, or ``lr / 2`` when that is None."""
-    return self.lr / 2 if self.sft_lr is None else self.sft_lr
+    """SFT's learning rate: ``sft_lr``, or ``pretrain_lr / 2`` when that is None."""
+    return self.pretrain_lr / 2 if self.sft_lr is None else self.sft_lr
 
 
 # Learning rates for a pretrained ``--model``, from OpenRLHF's example scripts for 1-8B models:
-# SFT 5e-6 (``lr`` is 1e-5 because SFT runs at ``lr / 2``), reward model 9e-6, PPO actor 5e-7
+# SFT 5e-6 (``pretrain_lr`` is 1e-5 because SFT runs at ``pretrain_lr / 2``), reward model 9e-6, PPO actor 5e-7
 # and critic 9e-6. ``PreferenceConfig``'s own defaults are tuned for the tiny model trained from
 # scratch here (SFT at 1e-3, actor at 5e-5): 200x and 100x these, enough to move a pretrained
 # model far from its weights within a few steps.
-PRETRAINED_LEARNING_RATES = {"lr": 1e-5, "rm_lr": 9e-6, "actor_lr": 5e-7, "critic_lr": 9e-6}
+PRETRAINED_LEARNING_RATES = {"pretrain_lr": 1e-5, "rm_lr": 9e-6, "actor_lr": 5e-7, "critic_lr": 9e-6}
 
 
 def preference_defaults(model: str | None = None) -> PreferenceConfig:
@@ -214,4 +215,13 @@ def preference_defaults(model: str | None = None) -> PreferenceConfig:
     return config
   lrs = PRETRAINED_LEARNING_RATES
   rl = dataclasses.replace(config.rl, actor_lr=lrs["actor_lr"], critic_lr=lrs["critic_lr"])
-  return dataclasses.replace(config, model=model, lr=lrs["lr"], rm_lr=lrs["rm_lr"], rl=rl)
+  return dataclasses.replace(config, model=model, pretrain_lr=lrs["pretrain_lr"], rm_lr=lrs["rm_lr"], rl=rl)
+
+
+def upgrade_saved_config(saved: dict[str, Any]) -> dict[str, Any]:
+  """A saved pipeline config in today's layout: the preference pipeline's pre-training rate,
+  saved as ``lr`` by earlier versions, is ``pretrain_lr``."""
+  if "lr" in saved and "pretrain_lr" not in saved:
+    saved = {("pretrain_lr" if k == "lr" else k): v for k, v in saved.items()}
+  return saved
+

@@ -281,7 +281,7 @@ def run_preference(path: str, config: PreferenceConfig, *, logdir: str | None = 
     # Language modelling on whole (truncated) dialogues: every token is a target.
     lm_data = [([tok.bos_token_id], (list(p) + list(r))[1:]) for p, r in sft_data]
     model, rec = sft_stage(stage_dir, "pretrain", model, lm_data, sft.SFTConfig(
-        num_steps=config.pretrain_steps, batch_size=config.batch_size, learning_rate=config.lr,
+        num_steps=config.pretrain_steps, batch_size=config.batch_size, learning_rate=config.pretrain_lr,
         length_buckets=buckets, log_every=50, seed=config.seed, packing=config.packing,
         pack_length=2 * max_len), pad_id=tok.pad_token_id,
         writer=writer, layout=layout, sigterm=sigterm, log=log,

@@ -14,7 +14,8 @@ from typing import Any
 from rljax import checkpoint as ckpt
 from rljax.alignment import checkpointing, sft, stages
 from rljax.alignment.hf_models import HF_MODEL_DIR
-from rljax.alignment.pipeline_config import EmbeddedConfig, PreferenceConfig
+from rljax.alignment.pipeline_config import (EmbeddedConfig, PreferenceConfig,
+                                             upgrade_saved_config)
 from rljax.metrics import MetricsWriter
 
 
@@ -68,7 +69,7 @@ def saved_run(config: EmbeddedConfig | PreferenceConfig, data: str | None = None
     section, defaults = f"{kind}_preference", ckpt.dataclass_defaults(PreferenceConfig)
     config_json = dict(config_json, data=os.path.abspath(data))
   return ckpt.SavedRun(section=section, config_json=config_json, defaults=defaults,
-                       held=_held)
+                       held=_held, upgrade=upgrade_saved_config)
 
 
 def _held(logdir: str) -> str | None:

@@ -14,8 +14,10 @@ from rljax import runtime
 
 
 def history_summary(history: Sequence[Mapping[str, float]], k: int) -> dict[str, float]:
-  """``reward_first``/``reward_last`` (mean ``reward/mean`` of the first and last ``k`` steps)
-  and ``kl_max`` over finite values only, so a step whose reward was not finite (its update
+  """``reward_first``/``reward_last`` (mean ``reward/mean`` of the first and last ``k`` steps),
+  ``score_first``/``score_last`` (the same of ``score/mean``, the reward model's or reward
+  function's score before the penalties; NaN for records without it) and ``kl_max`` over
+  finite values only, so a step whose reward was not finite (its update
   skipped by the non-finite guard) does not turn them into NaN; an empty selection gives NaN.
   ``kl_last`` is the last step's ``kl`` as logged (NaN when it was not finite or not measured);
   ``summary_steps``: the window actually used, ``min(k, len(history) // 2)`` so that the first
@@ -31,8 +33,10 @@ def history_summary(history: Sequence[Mapping[str, float]], k: int) -> dict[str,
 
   k = max(1, min(k, len(history) // 2))
   rewards = [h["reward/mean"] for h in history]
+  scores = [h.get("score/mean", np.nan) for h in history]
   kls = finite(h.get("kl", np.nan) for h in history)
   return dict(reward_first=mean(rewards[:k]), reward_last=mean(rewards[-k:]),
+              score_first=mean(scores[:k]), score_last=mean(scores[-k:]),
               kl_max=float(kls.max()) if kls.size else float("nan"),
               kl_last=float(history[-1].get("kl", np.nan)) if history else float("nan"),
               summary_steps=min(k, len(history)))

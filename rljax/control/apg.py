@@ -48,6 +48,7 @@ import functools
 import json
 import math
 import os
+import sys
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -89,7 +90,10 @@ class APGConfig:
       ``0`` means no truncation (``= horizon_length``).
     num_updates: policy updates in the run.
     learning_rate: Adam step size at the first update.
-    lr_decay: per-update exponential decay of the learning rate (Brax: 0.997); 1 = constant.
+    lr_schedule: ``"constant"`` or ``"exponential"`` (the rate times ``lr_decay`` after every
+      update, as Brax's APG).
+    lr_decay: the exponential schedule's per-update factor (Brax: 0.997); 1 with
+      ``"constant"``.
     adam_b1, adam_b2: Adam's moment decays (Brax's APG uses 0.7, 0.95).
     max_grad_norm: global gradient-norm clip; ``None`` for none.
     gamma: discount inside the horizon (1 = the mean reward, as Brax's APG).
@@ -115,6 +119,7 @@ class APGConfig:
   truncation_length: int = 0
   num_updates: int = 300
   learning_rate: float = 1e-3
+  lr_schedule: str = "constant"
   lr_decay: float = 1.0
   adam_b1: float = 0.7
   adam_b2: float = 0.95
@@ -153,6 +158,13 @@ class APGConfig:
       raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate!r}.")
     if not 0 < self.lr_decay <= 1:
       raise ConfigError(f"lr_decay must be in (0, 1], got {self.lr_decay!r}.")
+    if self.lr_schedule not in ("constant", "exponential"):
+      raise ConfigError(f"lr_schedule must be 'constant' or 'exponential' for APG, got "
+                        f"{self.lr_schedule!r}.")
+    if (self.lr_schedule == "exponential") != (self.lr_decay < 1):
+      raise ConfigError(
+          f"lr_schedule={self.lr_schedule!r} with lr_decay={self.lr_decay!r}: the exponential "
+          f"schedule needs lr_decay < 1, and lr_decay applies to it only.")
     for name in ("adam_b1", "adam_b2"):
       if not 0 <= getattr(self, name) < 1:
         raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)!r}.")
@@ -193,12 +205,14 @@ class APGConfig:
 # Swing-up needs the long horizon: with horizon_length=32 APG stalls near 370.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "playground/CartpoleSwingup": dict(
-        num_envs=64, horizon_length=128, num_updates=800, learning_rate=3e-3, lr_decay=0.998,
+        num_envs=64, horizon_length=128, num_updates=800, learning_rate=3e-3, lr_schedule="exponential",
+        lr_decay=0.998,
         policy_hidden=(64, 64), num_evals=11,
     ),
     "brax/reacher": dict(
         env_kwargs=(("backend", "generalized"),), num_envs=64, horizon_length=32,
-        num_updates=300, learning_rate=3e-3, lr_decay=0.995, policy_hidden=(64, 64),
+        num_updates=300, learning_rate=3e-3,
+        lr_schedule="exponential", lr_decay=0.995, policy_hidden=(64, 64),
         num_evals=11,
     ),
 }
@@ -233,6 +247,10 @@ def build_apg_config(env: str, overrides: dict[str, Any]) -> APGConfig:
         f"settings (rljax.control.apg.APGConfig) are "
         f"{', '.join('--' + n for n in flag_names)} (and env_kwargs, in Python only)."
     )
+  if overrides.get("lr_decay", 1.0) < 1 and "lr_schedule" not in overrides:
+    overrides = dict(overrides, lr_schedule="exponential")  # as --lr_decay alone always meant
+  elif overrides.get("lr_schedule") == "constant" and "lr_decay" not in overrides:
+    overrides = dict(overrides, lr_decay=1.0)  # an environment's default decay, turned off
   return default_apg_config(env).replace(**overrides)
 
 
@@ -337,7 +355,7 @@ def masked_env_gradients(loss_fn: Callable, params, obs_stats, env_state):
 def make_optimizer(config: APGConfig) -> optax.GradientTransformation:
   """Clip by global norm, then Adam with exponential decay; skips non-finite updates."""
   lr = config.learning_rate
-  if config.lr_decay < 1:
+  if config.lr_schedule == "exponential":
     lr = optax.exponential_decay(config.learning_rate, transition_steps=1,
                                  decay_rate=config.lr_decay)
   parts = [] if config.max_grad_norm is None else [optax.clip_by_global_norm(config.max_grad_norm)]
@@ -535,7 +553,14 @@ class APGResult(NamedTuple):
 def saved_run(config: APGConfig) -> ckpt.SavedRun:
   """An APG run of ``config`` as ``config.json`` records it (`rljax.checkpoint.check_logdir`)."""
   return ckpt.SavedRun(section="apg", config_json=json.loads(config.to_json()),
-                       defaults=ckpt.dataclass_defaults(APGConfig))
+                       defaults=ckpt.dataclass_defaults(APGConfig), upgrade=_with_lr_schedule)
+
+
+def _with_lr_schedule(saved: dict[str, Any]) -> dict[str, Any]:
+  """A saved APG config of a version without ``lr_schedule``: exponential where it decayed."""
+  if "lr_schedule" in saved:
+    return saved
+  return dict(saved, lr_schedule="exponential" if saved.get("lr_decay", 1.0) < 1 else "constant")
 
 
 def train_apg(config: APGConfig, logdir: str | None = None, *, progress: bool = True,
@@ -569,6 +594,10 @@ def train_apg(config: APGConfig, logdir: str | None = None, *, progress: bool = 
   with ckpt.SigtermFlag() as sigterm:
     use_ckpt = logdir is not None and checkpoints
     newest = ckpt.check_logdir(logdir, saved_run(config), resume=resume) if use_ckpt else None
+    if progress:
+      runtime.primary_print(f"{config.env}: building the environments; the evaluation and the "
+                            f"first chunk compile at their first call (a new configuration "
+                            f"takes up to a minute on CPU)", file=sys.stderr, flush=True)
     trainer, params = make_apg_trainer(config)
     state = trainer.init(params)
     saver, start, resumed_from, history = None, 0, None, []

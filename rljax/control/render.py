@@ -40,6 +40,7 @@ import math
 import os
 import shutil
 import sys
+import time
 import types
 from typing import Any, Callable, Sequence
 
@@ -444,16 +445,29 @@ class EvalVideo:
     self.rollout = make_rollout_fn(env, policy_fn, num_envs=num_envs, num_steps=self.num_steps,
                                    action_repeat=action_repeat)
 
-  def __call__(self, policy_params, path: str, key: Array | None = None) -> RenderResult:
-    """Renders episodes from ``key`` (default ``PRNGKey(0)``) to ``path``; see `render_rollout`."""
+  def __call__(self, policy_params, path: str, key: Array | None = None, *,
+               log: Callable[[str], None] | None = None) -> RenderResult:
+    """Renders episodes from ``key`` (default ``PRNGKey(0)``) to ``path``; see `render_rollout`.
+    ``log``, if given, receives one line as each phase starts and one with its time when the
+    whole call ends."""
     paths = _video_paths(path, self.formats)
     check_video_options([_video_ext(p) for p in paths], self.height, self.width)
-    setup_gl(self.gl_backend)
+    say = log or (lambda _: None)
+    t0 = time.perf_counter()
+    backend = setup_gl(self.gl_backend)
     key = jax.random.PRNGKey(0) if key is None else key
+    say(f"rolling out {self.num_steps} steps (compiled at the first call)")
     fields, dones, rewards = jax.device_get(self.rollout(policy_params, key))
+    t1 = time.perf_counter()
+    say(f"rendering {math.ceil(self.num_steps / self.stride) + 1} frames per environment with "
+        f"{backend}")
     frames = render_frames(self.env, fields, camera=self.camera, height=self.height,
                            width=self.width, stride=self.stride, gl_backend=self.gl_backend)
+    t2 = time.perf_counter()
+    say(f"encoding {', '.join(paths)}")
     written = tuple(write_video(frames, p, fps=self.fps) for p in paths)
+    say(f"rollout {t1 - t0:.1f} s, rendering {t2 - t1:.1f} s, encoding "
+        f"{time.perf_counter() - t2:.1f} s")
     lengths = np.where(dones[-1], np.argmax(dones, axis=0), self.num_steps)
     return RenderResult(written, frames.shape, self.fps, rewards.sum(axis=0), lengths)
 
@@ -465,6 +479,7 @@ def render_rollout(
     *,
     key: Array | None = None,
     env_kwargs: dict[str, Any] | None = None,
+    log: Callable[[str], None] | None = None,
     **options: Any,
 ) -> RenderResult:
   """Rolls out ``policy_fn`` once and writes the video(s).
@@ -477,6 +492,7 @@ def render_rollout(
       (``formats``) are appended.
     key: PRNG key of the resets; default ``PRNGKey(0)``.
     env_kwargs: for ``rljax.envs.make`` when ``env`` is a name.
+    log: receives a line as each phase (build, rollout, rendering, encoding) starts.
     **options: `EvalVideo`'s keyword arguments (``num_envs``, ``episode_length``,
       ``action_repeat``, ``camera``, ``height``, ``width``, ``max_fps``, ``formats``,
       ``gl_backend``).
@@ -492,9 +508,11 @@ def render_rollout(
   if isinstance(env, str):
     from rljax import envs
 
+    if log is not None:
+      log(f"building {env}")
     env = envs.make(env, **(env_kwargs or {}))
   video = EvalVideo(env, lambda _, obs: policy_fn(obs), **options)
-  return video((), path, key)
+  return video((), path, key, log=log)
 
 
 def _run_config(saved: dict) -> dict:

@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import math
 import os
+import sys
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -451,6 +452,10 @@ def train(
     use_ckpt = logdir is not None and checkpoints
     newest = (ckpt.check_logdir(logdir, checkpointing.saved_run(config), resume=resume)
               if use_ckpt else None)
+    if progress:
+      runtime.primary_print(f"{config.env}: building the environments and compiling (a new "
+                            f"configuration takes tens of seconds on CPU; the compilation "
+                            f"cache shortens a rerun)", file=sys.stderr, flush=True)
     trainer, params = make_trainer(config, mesh=mesh)
     eval_key = jax.random.PRNGKey(config.seed + 10_000)
     # A run whose newest checkpoint is its last chunk has nothing left to train, so nothing
@@ -480,6 +485,8 @@ def train(
       chunk_compiled.result()
     # Seconds from the start until both are compiled (environment build and reset overlap).
     compile_s = time.perf_counter() - t_start
+    if progress:
+      runtime.primary_print(f"start-up {compile_s:.1f} s", file=sys.stderr, flush=True)
     writer = None
     if logdir is not None and start < trainer.num_chunks:
       writer = metrics_lib.MetricsWriter(
