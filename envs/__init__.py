@@ -9,11 +9,15 @@ Names are ``"<source>/<name>"``:
   manipulation environments need a MuJoCo Menagerie checkout: pass
   ``menagerie_path=...`` to `make` or set ``$MUJOCO_MENAGERIE_PATH``.
 
+Brax and Playground are imported when an environment is made or wrapped, not with this module,
+so a script can check its flags without them.
+
 `make` returns the unwrapped single environment. `wrap_for_training` applies the
 libraries' own wrappers (``VmapWrapper``, ``EpisodeWrapper`` for episode length and
 action repeat, and the auto-reset wrapper of Brax or Playground) for a batch of
 environments, plus `RecordFinalObs`, which keeps the pre-reset observation of each step
-so that truncated episodes can bootstrap from the truncated state's value.
+so that truncated episodes can bootstrap from the truncated state's value;
+`wrap_for_evaluation` adds Brax's ``EvalWrapper`` over them.
 
 Example::
 
@@ -312,6 +316,20 @@ def wrap_for_training(env, *, episode_length: int, action_repeat: int = 1):
 
     return pg_wrapper.BraxAutoResetWrapper(wrapped)
   return brax_training.AutoResetWrapper(wrapped)
+
+
+def wrap_for_evaluation(env, *, episode_length: int, action_repeat: int = 1):
+  """`wrap_for_training` inside Brax's ``EvalWrapper``, which records each environment's
+  first episode (return and length, frozen at its first ``done``) in
+  ``state.info["eval_metrics"]``; what the trainers evaluate on.
+
+  Raises:
+    ValueError: non-positive ``episode_length`` or ``action_repeat``.
+  """
+  from brax.envs.wrappers import training as brax_training
+
+  return brax_training.EvalWrapper(
+      wrap_for_training(env, episode_length=episode_length, action_repeat=action_repeat))
 
 
 def _is_playground(env) -> bool:

@@ -238,9 +238,9 @@ def test_train_sft_script_with_model(hf_folder, tmp_path):
   records = [json.loads(line) for line in open(logdir / "metrics.jsonl")]
   assert any("sft/loss" in r for r in records)
   assert not any("pretrain/loss" in r for r in records)
-  # The script starts from the pretrained defaults: SFT at lr / 2 = 5e-6.
+  # The script starts from the pretrained defaults: SFT at pretrain_lr / 2 = 5e-6.
   info = json.loads((logdir / "run_info.json").read_text())
-  assert info["config"]["lr"] == 1e-5 and info["config"]["rm_lr"] == 9e-6, info["config"]
+  assert info["config"]["pretrain_lr"] == 1e-5 and info["config"]["rm_lr"] == 9e-6, info["config"]
 
 
 @pytest.mark.slow

@@ -56,12 +56,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from brax.envs.wrappers import training as brax_training
 
 from rljax import checkpoint as ckpt
 from rljax import envs, loop, running_stats, runtime
 from rljax import metrics as metrics_lib
-from rljax.control import checkpointing
+from rljax.control import checkpointing, chunks
 from rljax.control import networks as networks_lib
 from rljax.control.config import ConfigError, ControlConfig
 from rljax.control.differentiable import has_mjx_model, make_differentiable, solver_options
@@ -503,9 +502,8 @@ def make_apg_trainer(config: APGConfig, params_key: Array | None = None):
                                  ls_iterations=config.ls_iterations)
   train_env = envs.wrap_for_training(diff_env, episode_length=episode_length,
                                      action_repeat=config.action_repeat)
-  eval_env = brax_training.EvalWrapper(
-      envs.wrap_for_training(env, episode_length=episode_length,
-                             action_repeat=config.action_repeat))
+  eval_env = envs.wrap_for_evaluation(env, episode_length=episode_length,
+                                      action_repeat=config.action_repeat)
   # No value network (APG has none); the actor-critic keeps load_policy and export reading
   # APG checkpoints as PPO's.
   net_config = networks_lib.actor_critic_config(
@@ -622,26 +620,13 @@ def train_apg(config: APGConfig, logdir: str | None = None, *, progress: bool = 
     eval_key = jax.random.PRNGKey(config.seed + 10_000)
     train_s: list[float] = []  # the first two chunks' times estimate the compile time
 
-    def step_fn(state, chunk: int):
-      t0 = time.perf_counter()
-      apg_state, env_state, metrics = trainer.train_chunk(*state)
-      record = {k: float(v) for k, v in jax.device_get(metrics).items()}
-      train_s.append(time.perf_counter() - t0)
-      record.update({"sps": trainer.env_steps_per_chunk / train_s[-1],
-                     "timing/train_s": train_s[-1],
-                     "env_steps": chunk * trainer.env_steps_per_chunk})
-      return (apg_state, env_state), record
-
-    def evaluate(state, chunk: int) -> dict[str, float]:
-      s = state[0]
-      metrics = trainer.evaluate(s.params, s.obs_stats, jax.random.fold_in(eval_key, chunk))
-      return {k: float(v) for k, v in jax.device_get(metrics).items()}
-
     spec = loop.LoopSpec(num_steps=trainer.num_chunks, unit="chunk", evaluate_first=True)
+    step_fn = chunks.chunk_step(trainer.train_chunk, trainer.env_steps_per_chunk, train_s)
     try:
       state, history = loop.run(
-          spec, state, step_fn, sigterm=sigterm, start=start, logdir=logdir,
-          checkpoints=saver, evaluate=evaluate, writer=writer,
+          spec, state, step_fn,
+          sigterm=sigterm, start=start, logdir=logdir, checkpoints=saver,
+          evaluate=chunks.chunk_evaluation(trainer.evaluate, eval_key), writer=writer,
           progress=lambda step, record: record["env_steps"], history=history,
           first_record={"sps": 0.0, "env_steps": 0}, wall_clock_start=t_start)
     finally:

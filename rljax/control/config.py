@@ -17,7 +17,6 @@ from typing import Any
 
 import jax
 
-from rljax import checkpoint as ckpt
 from rljax import nonfinite, runtime
 from rljax.models.mlp import BRAX_INIT_STD as _BRAX_INIT_STD
 from rljax.models.mlp import ActorCriticConfig as _ActorCriticConfig
@@ -276,7 +275,8 @@ class ControlConfig:
 
   def to_json(self) -> str:
     """Every field as indented, key-sorted JSON (``checkpoints/config.json``; enums by value)."""
-    return json.dumps(ckpt.config_to_json(self), indent=2, sort_keys=True)
+    return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True,
+                      default=lambda value: value.value)  # enums by value
 
   @classmethod
   def from_json(cls, text: str) -> "ControlConfig":

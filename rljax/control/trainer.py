@@ -31,12 +31,12 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from brax.envs.wrappers import training as brax_training
 
 from rljax import checkpoint as ckpt
 from rljax import envs, loop, nonfinite, running_stats, runtime
 from rljax import metrics as metrics_lib
-from rljax.control import checkpointing, evaluation, learner, networks as networks_lib
+from rljax.control import checkpointing, chunks, evaluation, learner
+from rljax.control import networks as networks_lib
 from rljax.control.config import ConfigError, ControlConfig, resolve_env_threads
 from rljax.control.host_chunks import OverlappedChunk, ThreadedChunk, with_sharding
 from rljax.control.learner import TrainState
@@ -326,9 +326,8 @@ def make_trainer(
   train_env = envs.wrap_for_training(
       env, episode_length=episode_length, action_repeat=config.action_repeat
   )
-  eval_env = brax_training.EvalWrapper(
-      envs.wrap_for_training(env, episode_length=episode_length, action_repeat=config.action_repeat)
-  )
+  eval_env = envs.wrap_for_evaluation(env, episode_length=episode_length,
+                                      action_repeat=config.action_repeat)
   num_chunks, iterations_per_chunk = config.chunk_schedule
   if params_key is None:
     params_key = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)
@@ -493,28 +492,15 @@ def train(
           logdir, total=trainer.num_chunks * trainer.env_steps_per_chunk if progress else None,
           console_keys=("eval/episode_reward", "sps"))
 
-    def step_fn(state, chunk: int):
-      t0 = time.perf_counter()
-      ts, env_state, metrics = trainer.train_chunk(*state)
-      record = {k: float(v) for k, v in jax.device_get(metrics).items()}
-      train_s = time.perf_counter() - t0
-      record.update({"sps": trainer.env_steps_per_chunk / train_s, "timing/train_s": train_s,
-                     "env_steps": chunk * trainer.env_steps_per_chunk})
-      return (ts, env_state), record
-
-    def evaluate(state, chunk: int) -> dict[str, float]:
-      ts = state[0]
-      metrics = trainer.evaluate(ts.params, ts.obs_stats, jax.random.fold_in(eval_key, chunk))
-      return {k: float(v) for k, v in jax.device_get(metrics).items()}
-
     spec = loop.LoopSpec(num_steps=trainer.num_chunks, unit="chunk", evaluate_first=True,
                          overlap_eval=bool(overlap_eval) and jax.process_count() == 1)
     watch = nonfinite.Watch(config.nonfinite, lambda state: int(state[0].skipped_updates),
                                  _skip_message, warn=lambda m: log("warning: " + m))
     try:
       state, history = loop.run(
-          spec, state, step_fn, sigterm=sigterm, start=start, logdir=logdir,
-          checkpoints=saver, evaluate=evaluate, writer=writer,
+          spec, state, chunks.chunk_step(trainer.train_chunk, trainer.env_steps_per_chunk),
+          sigterm=sigterm, start=start, logdir=logdir, checkpoints=saver,
+          evaluate=chunks.chunk_evaluation(trainer.evaluate, eval_key), writer=writer,
           progress=lambda step, record: record["env_steps"], history=history,
           first_record={"sps": 0.0, "env_steps": 0},
           on_record=None if on_eval is None else lambda k, s, r: on_eval(k, s[0], r),
