@@ -29,7 +29,9 @@ Example::
 from __future__ import annotations
 
 import difflib
+import functools
 import os
+import weakref
 from typing import Any
 
 import jax
@@ -151,7 +153,12 @@ def check_assets(name: str, *, menagerie_path: str | os.PathLike | None = None) 
 
 
 def make(name: str, *, menagerie_path: str | None = None, **kwargs: Any):
-  """Builds the single (unbatched, unwrapped) environment ``name``.
+  """The single (unbatched, unwrapped) environment ``name``.
+
+  Environments are not changed once built, so the same arguments give the same object (the
+  last `CACHE_SIZE` are kept; arguments that cannot be hashed build a new one); with `traced`
+  a process that trains several runs of one environment (a notebook, a sweep, the tests)
+  traces its physics once.
 
   Args:
     name: a name from `list_envs`, e.g. ``"brax/ant"`` or ``"playground/CheetahRun"``.
@@ -171,6 +178,28 @@ def make(name: str, *, menagerie_path: str | None = None, **kwargs: Any):
     MenagerieNotFoundError: a Menagerie-backed environment without a local Menagerie.
   """
   check_name(name)
+  try:
+    # The device too: MJX puts the model on jax.devices()[0], which a multi-process trainer
+    # makes its own process's device while it builds.
+    key = (name, menagerie_path or os.environ.get(MENAGERIE_ENV_VAR),
+           tuple(sorted(kwargs.items())), jax.devices()[0])
+    hash(key)
+  except TypeError:  # e.g. a dict-valued override: not cached
+    return _build(name, menagerie_path, kwargs)
+  return _cached_build(key)
+
+
+CACHE_SIZE = 16
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _cached_build(key):
+  name, menagerie_path, items, _ = key
+  return _build(name, menagerie_path, dict(items))
+
+
+def _build(name: str, menagerie_path: str | None, kwargs: dict[str, Any]):
+  """`make`'s environment, built anew."""
   source, env_name = name.split("/", 1)
   if source == "brax":
     from brax import envs as brax_envs
@@ -236,6 +265,19 @@ class RecordFinalObs:
 def _split_keys(d: dict, own: frozenset) -> tuple[dict, dict]:
   """``(the entries of d whose keys are in own, the others)``."""
   return {k: v for k, v in d.items() if k in own}, {k: v for k, v in d.items() if k not in own}
+
+
+_TRACED: "weakref.WeakKeyDictionary[Any, TraceOnce]" = weakref.WeakKeyDictionary()
+
+
+def traced(env) -> "TraceOnce":
+  """``env`` under `TraceOnce`, one wrapper per environment object: the trainers build their
+  environments with ``traced(make(name))``, so every run of one environment in a process
+  shares its traces of ``reset`` and ``step``."""
+  wrapper = _TRACED.get(env)
+  if wrapper is None:
+    wrapper = _TRACED[env] = TraceOnce(env)
+  return wrapper
 
 
 class TraceOnce:

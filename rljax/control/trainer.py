@@ -321,7 +321,7 @@ def make_trainer(
           f"divisible by the mesh's data axes ({n_data} devices: {dict(mesh.shape)})."
       )
   with _process_local_default_devices():  # MJX puts its model on jax.devices()[0]
-    env = envs.TraceOnce(envs.make(config.env, **dict(config.env_kwargs)))
+    env = envs.traced(envs.make(config.env, **dict(config.env_kwargs)))
   episode_length = config.episode_length or envs.default_episode_length(config.env)
   train_env = envs.wrap_for_training(
       env, episode_length=episode_length, action_repeat=config.action_repeat
