@@ -180,9 +180,10 @@ def make(name: str, *, menagerie_path: str | None = None, **kwargs: Any):
   check_name(name)
   try:
     # The device too: MJX puts the model on jax.devices()[0], which a multi-process trainer
-    # makes its own process's device while it builds.
+    # makes its own process's device while it builds; and the float width, since a model
+    # built under jax.enable_x64 holds float64 arrays.
     key = (name, menagerie_path or os.environ.get(MENAGERIE_ENV_VAR),
-           tuple(sorted(kwargs.items())), jax.devices()[0])
+           tuple(sorted(kwargs.items())), jax.devices()[0], bool(jax.config.jax_enable_x64))
     hash(key)
   except TypeError:  # e.g. a dict-valued override: not cached
     return _build(name, menagerie_path, kwargs)
@@ -194,7 +195,7 @@ CACHE_SIZE = 16
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
 def _cached_build(key):
-  name, menagerie_path, items, _ = key
+  name, menagerie_path, items, _, _ = key
   return _build(name, menagerie_path, dict(items))
 
 

@@ -160,3 +160,17 @@ def test_trace_once_traces_once_and_steps_identically():
   np.testing.assert_array_equal(obs_train, jax.jit(functools.partial(roll, reference, 4))())
   reference_eval = brax_training.EvalWrapper(envs.wrap_for_training(raw, episode_length=5))
   np.testing.assert_array_equal(obs_eval, jax.jit(functools.partial(roll, reference_eval, 2))())
+
+
+def test_make_returns_one_environment_per_arguments_and_float_width():
+  """The cache gives back the same object for the same arguments, a new one for other
+  arguments, and a separate one under ``jax.enable_x64`` (whose model holds float64)."""
+  env = envs.make("playground/PendulumSwingup")
+  assert envs.make("playground/PendulumSwingup") is env
+  assert envs.traced(env) is envs.traced(env)
+  assert envs.make("playground/PendulumSwingup", episode_length=7) is not env
+  with jax.enable_x64(True):
+    env64 = envs.make("playground/PendulumSwingup")
+    assert env64 is not env
+    assert env64.reset(jax.random.PRNGKey(0)).data.qpos.dtype == jnp.float64
+  assert env.reset(jax.random.PRNGKey(0)).data.qpos.dtype == jnp.float32
