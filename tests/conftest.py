@@ -9,6 +9,7 @@ is exported so that the experiment scripts run by subprocess tests use the same 
 (unless a test passes its own ``--compilation_cache_dir``).
 """
 
+import glob
 import os
 import tempfile
 
@@ -19,6 +20,31 @@ from rljax import runtime
 _CACHE = os.environ.setdefault(
     "RLJAX_COMPILATION_CACHE", os.path.join(tempfile.gettempdir(), "rljax-test-compilation-cache"))
 runtime.enable_compilation_cache(_CACHE)
+
+HH_RLHF_FILE = "hh-rlhf-harmless-base-test.jsonl.gz"
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def find_hh_rlhf():
+  """The HH-RLHF harmless-base test split (2,312 pairs), or None where it is absent.
+
+  Looked for at ``$RLJAX_HH_RLHF``, then ``data/`` in the checkout, then a ``data/`` folder in
+  any directory beside the checkout (``<parent>/*/data/``).
+  """
+  candidates = [os.environ.get("RLJAX_HH_RLHF", ""), os.path.join(_REPO, "data", HH_RLHF_FILE)]
+  candidates += sorted(glob.glob(os.path.join(os.path.dirname(_REPO), "*", "data", HH_RLHF_FILE)))
+  return next((c for c in candidates if c and os.path.isfile(c)), None)
+
+
+@pytest.fixture(scope="session")
+def hh_rlhf_path():
+  """The path of `find_hh_rlhf`'s file; skips the test, naming the file, where it is absent."""
+  path = find_hh_rlhf()
+  if path is None:
+    pytest.skip(f"needs {HH_RLHF_FILE} (HH-RLHF harmless-base test split) in $RLJAX_HH_RLHF, "
+                f"{os.path.join(_REPO, 'data')} or a data/ folder beside the checkout")
+  return path
+
 
 # Modules whose tests share an expensive module-scoped fixture (a 2-process training run, an
 # 8-device subprocess, a reference training run): under pytest-xdist one worker runs each of these

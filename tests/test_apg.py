@@ -82,6 +82,7 @@ def _rollout_objective(env, obs_weight=0.1):
   return f
 
 
+@pytest.mark.slow
 def test_mjx_reverse_mode_needs_one_solver_iteration():
   """Brax's reacher on MJX (iterations=100) cannot be reverse-differentiated until
   `make_differentiable` sets opt.iterations = 1. Tracing the gradient is enough to
@@ -102,6 +103,7 @@ def test_mjx_reverse_mode_needs_one_solver_iteration():
   assert apg.make_differentiable(gen) is gen
 
 
+@pytest.mark.slow
 def test_gradient_through_env_step_matches_finite_differences():
   """Playground CartpoleBalance (MJX solver with opt.iterations=1, slider-limit rows).
 
@@ -152,6 +154,7 @@ def test_gradient_through_env_step_matches_finite_differences():
   np.testing.assert_allclose(grad32.ravel(), fd, rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_train_apg_writes_metrics_and_a_loadable_policy(tmp_path):
   """A seconds-long run on PendulumSwingup (no constraint solver: the cheapest model to
   compile); checks the outputs and that load_policy reproduces the trained actions."""
@@ -191,6 +194,7 @@ def test_train_apg_writes_metrics_and_a_loadable_policy(tmp_path):
     apg.train_apg(config.replace(learning_rate=0.5), logdir, progress=False)
 
 
+@pytest.mark.slow
 def test_apg_sigterm_checkpoints_and_resumes_exactly(tmp_path, monkeypatch):
   """SIGTERM during chunk 1 of 3: the chunk finishes, is checkpointed, `Preempted` is raised;
   the same call then resumes and ends bitwise equal to an uninterrupted run (parameters,

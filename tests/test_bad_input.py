@@ -453,6 +453,7 @@ def real_checkpoint(tmp_path):
   return logdir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["train_rlhf.py", "train_control.py"])
 def test_restore_onto_a_mesh_that_cannot_hold_the_state(script, real_checkpoint, tmp_path):
   # 513 KiB of saved state; one device of 0.0004 GiB (about 419 KiB) cannot hold it.
@@ -545,6 +546,7 @@ def test_logdir_that_is_a_file_is_named_as_such(tmp_path):
   assert (tmp_path / "new" / "run").is_dir()
 
 
+@pytest.mark.slow
 def test_stage_step_flags_reach_the_config(tmp_path):
   """train_reward_model.py's --pretrain_steps (shared) and --sft_steps shorten its stages: the
   run's config records them, and --pretrain_steps=0 skips pre-training (no 'pretrain:' line)."""

@@ -103,6 +103,7 @@ def test_config_error_names_the_fields_it_quotes(kwargs, fields):
                      "untouched)."),
     (["--num_envs=128"], "holds a run with a different config (num_envs: saved 256, now 128)"),
 ])
+@pytest.mark.slow
 def test_script_refuses_a_run_it_cannot_resume_and_leaves_it_as_it_was(flags, message, tmp_path):
   """--noresume on a run, or another config: exit 2 before run_info.json is rewritten."""
   logdir = tmp_path / "run"
@@ -157,6 +158,7 @@ def test_script_says_num_evals_1_acts_as_2(tmp_path):
         (["--sharding_rules=foo"], "unknown sharding rules preset 'foo'"),
     ],
 )
+@pytest.mark.slow
 def test_script_rejects_bad_flags_before_compiling(flags, match, tmp_path):
   out = subprocess.run(
       [sys.executable, SCRIPT, f"--logdir={tmp_path}/run", *flags],
@@ -168,6 +170,7 @@ def test_script_rejects_bad_flags_before_compiling(flags, match, tmp_path):
   assert not os.path.exists(tmp_path / "run")  # nothing written, nothing compiled
 
 
+@pytest.mark.slow
 def test_show_config_prints_the_env_defaults_with_the_flags_and_writes_nothing(tmp_path):
   """--show_config prints the bundled defaults of --env with the flags applied, exits 0, and
   neither writes the logdir nor compiles."""
@@ -246,6 +249,7 @@ def test_make_networks_initialises_as_nnx_does_op_by_op():
   assert none is None and graph_only == networks
 
 
+@pytest.mark.slow
 def test_same_seed_gives_bitwise_equal_parameters():
   config = ControlConfig().replace(**TINY)
   a = trainer.train(config, None, progress=False)
@@ -261,6 +265,7 @@ def test_same_seed_gives_bitwise_equal_parameters():
   assert all(h["ratio_first"] == 1.0 for h in a.history[1:])
 
 
+@pytest.mark.slow
 def test_logdir_outputs_and_load_policy(tmp_path):
   config = ControlConfig().replace(**TINY)
   logdir = str(tmp_path / "run")
@@ -316,6 +321,7 @@ def test_logdir_outputs_and_load_policy(tmp_path):
   assert mode == 0o666 & ~ckpt.current_umask()
 
 
+@pytest.mark.slow
 def test_script_runs_and_fills_compilation_cache(tmp_path):
   flags = [f"--{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}"
            for k, v in TINY.items()]
@@ -340,9 +346,8 @@ def test_cartpole_balance_learns():
   most of the 1000-step episode, which random or passive policies never do.
   """
   # The default's length (4M steps), in two chunks. The policy learns to balance in a jump
-  # after 2.3-3.2M steps (benchmarks/HISTORY.md, stop 24), so a shorter run is not a test of
-  # learning: at 2M steps an AMD EPYC Zen 1 read 366 -> 300 -> 906, but a Zen 4 (AVX-512,
-  # other float rounding) read 366 -> 280 -> 279 (stop 30).
+  # after 2.3-3.2M steps, so a shorter run is not a test of learning: at 2M steps an AMD EPYC
+  # Zen 1 read 366 -> 300 -> 906, but a Zen 4 (AVX-512, other float rounding) 366 -> 280 -> 279.
   config = default_config("playground/CartpoleBalance").replace(num_evals=3)
   result = trainer.train(config, None, progress=False)
   first, last = result.history[0]["eval/episode_reward"], result.history[-1]["eval/episode_reward"]
@@ -350,6 +355,7 @@ def test_cartpole_balance_learns():
   assert last >= 500, [h["eval/episode_reward"] for h in result.history]
 
 
+@pytest.mark.slow
 def test_bootstrap_values_skip_the_second_value_pass_only_when_exact():
   """``V(s'_t)``: the cheap branch (``values[:, t+1]``) equals the full pass on ``final_obs``.
 
@@ -381,6 +387,7 @@ def test_bootstrap_values_skip_the_second_value_pass_only_when_exact():
   assert not np.allclose(boot[:, 2], values[:, 3])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("before", [True, False])
 def test_observation_statistics_update_before_or_after_the_ppo_update(before, monkeypatch):
   """``obs_stats_before_update=True`` (Brax's order) folds the rollout into the
@@ -480,6 +487,7 @@ def test_train_chunk_compiles_once_from_abstract_shapes(caplog):
   assert [(x.shape, x.dtype) for x in abstract] == [(x.shape, x.dtype) for x in concrete]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env", ["playground/CheetahRun", "brax/ant"])
 def test_chunk_state_types_are_a_fixed_point(env):
   """The train chunk's outputs have the avals (weak types included) of its inputs, so the
@@ -495,6 +503,7 @@ def test_chunk_state_types_are_a_fixed_point(env):
   assert not any(w for _, _, w in avals(state))
 
 
+@pytest.mark.slow
 def test_overlapped_evaluation_equals_sequential(tmp_path):
   """Evaluating chunk k on a second thread while chunk k + 1 trains changes no value: every
   record's evaluation and training metrics, the checkpoints and the final state equal a
@@ -529,6 +538,7 @@ def test_overlapped_evaluation_equals_sequential(tmp_path):
     assert run.history[0]["eval/episode_reward"] != run.history[1]["eval/episode_reward"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("one_device_mesh", [False, True])
 def test_overlapped_value_update_equals_one_program_chunk(one_device_mesh, caplog):
   """`OverlappedChunk` (the value update on a second thread beside the next rollout) trains
@@ -557,6 +567,7 @@ def test_overlapped_value_update_equals_one_program_chunk(one_device_mesh, caplo
   assert not dataclasses.replace(tr, mesh=two_devices).overlaps_value_update
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("one_device_mesh", [False, True])
 def test_env_threads_train_the_one_program_chunk(one_device_mesh, caplog):
   """`ThreadedChunk` (each iteration's rollout as one program per group of the environments,
@@ -622,6 +633,7 @@ def test_env_threads_chosen_for_the_machine(monkeypatch):
   assert resolve_env_threads(c, cores=2) == 1
 
 
+@pytest.mark.slow
 def test_microbatches_train_the_same_policy():
   """``num_microbatches=4`` (each minibatch of 16 segments x 8 steps as 4 parts) trains the
   one-part run's PPO, in the one-program chunk and with the value update overlapped: after 4
@@ -644,6 +656,7 @@ def test_microbatches_train_the_same_policy():
   assert max(jax.tree.leaves(moved)) > 1e-3  # it trained
 
 
+@pytest.mark.slow
 def test_gae_per_minibatch_in_one_minibatch_equals_gae_before_the_update():
   """``gae_per_minibatch`` computes GAE in each minibatch's loss with the value network as
   that SGD step finds it. With one epoch of one minibatch that is the network the rollout

@@ -111,6 +111,7 @@ def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference_run, cache, 
   _assert_bitwise_equal(_final_params(logdir), _final_params(reference_run))
 
 
+@pytest.mark.slow
 def test_sigterm_during_start_up_preempts_with_nothing_written(tmp_path, monkeypatch):
   """A SIGTERM while the environments build and the programs compile (before the trainer's
   loop) raises `Preempted` too (the scripts exit 75), once the compiles end: no checkpoint,
@@ -141,6 +142,7 @@ def _truncate_largest_file(directory):
   return target
 
 
+@pytest.mark.slow
 def test_finished_run_reruns_as_a_no_op_and_truncated_newest_checkpoint_falls_back(tmp_path):
   config = ControlConfig().replace(**dict(SETTINGS, num_timesteps=3 * 2 * 16 * 8, num_evals=4))
   logdir = str(tmp_path / "run")
@@ -217,6 +219,7 @@ def test_start_that_saved_no_checkpoint_does_not_bind_the_next_run(tmp_path):
   assert ckpt.read_config(logdir)["control"]["seed"] == 0
 
 
+@pytest.mark.slow
 def test_script_nonfinite_halt_exits_3_with_the_last_good_state(tmp_path, cache):
   # reward_scaling 1e38 overflows the scaled returns to inf: the first chunk's updates are all
   # skipped (its state is the last good one), and --nonfinite=halt stops the script with
@@ -253,6 +256,7 @@ class _NaNRewardAt:
     return getattr(self.env, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["skip", "halt"])
 def test_nan_reward_is_skipped_and_counted(mode, monkeypatch, tmp_path):
   real_make = envs.make

@@ -67,6 +67,7 @@ def result():
   return json.loads(line[len("RESULT "):])
 
 
+@pytest.mark.slow
 def test_sharded_params_equal_single_device(result):
   assert result["max_diff"] < 1e-5, result
 

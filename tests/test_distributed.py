@@ -92,6 +92,7 @@ def test_two_processes_equal_one_process():
     assert abs(float(r[4]) - float(r1[4])) < 1e-5 and abs(float(r[5]) - float(r1[5])) < 1e-5
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_after_the_same_step():
   """SIGTERM reaching only process 0 (at step 3): `SigtermFlag.any_process` tells both, so both
   leave the loop after step 3 (the trainers then checkpoint that step and exit 75 together);

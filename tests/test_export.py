@@ -73,6 +73,7 @@ def test_manifest(run, tmp_path):
   assert m["metadata"]["network"]["policy_hidden"] == [8]
 
 
+@pytest.mark.slow
 def test_loader_runs_with_only_jax(run, obs, tmp_path):
   """The loader file, copied elsewhere, runs where rljax, flax, brax... cannot be imported."""
   result = export.export_from_logdir(run, str(tmp_path / "exp"))

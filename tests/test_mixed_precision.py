@@ -37,6 +37,7 @@ def _inputs(xs, ws, seed=0):
   return jax.random.normal(kx, xs), jax.random.normal(kw, ws)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("equation,xs,ws", EQUATIONS)
 @pytest.mark.parametrize("out_dtype", [None, jnp.float32])
 def test_bf16_dot_gradient_matches_f32_autodiff(equation, xs, ws, out_dtype):
@@ -76,6 +77,7 @@ def test_f32_dot_is_plain_autodiff():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_bf16_compute_policy_gradient_close_to_f32():
   """Mixed precision on the whole policy: f32 gradients, close to the f32 computation."""
   model = _model()
@@ -110,6 +112,7 @@ def test_cast_floating_leaves_ints_and_none():
   assert out["h"] is tree["h"]
 
 
+@pytest.mark.slow
 def test_rlhf_step_bf16_compute_keeps_f32_state_and_tracks_f32_update():
   kw = dict(algo="grpo", group_size=2, prompts_per_step=4, kl_coef=0.0,
             ppo=ppo.PPOConfig(num_epochs=1, num_minibatches=1, normalize_advantages=False))

@@ -57,6 +57,7 @@ def test_static_terms_match_xla_memory_analysis(dtype):
     ((256, 64, 256, 3, 4, 1), 2, 128, "float32"),
     ((384, 96, 320, 2, 6, 3), 4, 96, "float32"),   # not among the configs the constants were fitted on
 ])
+@pytest.mark.slow
 def test_activation_term_matches_xla_temporaries(dims, batch, seq, dtype):
   v, e, m, l, h, k = dims
   config = LMConfig(vocab_size=v, hidden_size=e, intermediate_size=m, num_layers=l, num_heads=h,
@@ -131,6 +132,7 @@ def test_bad_inputs_name_the_value(tmp_path):
     plan_lib.PlanConfig(preset="zero3")
 
 
+@pytest.mark.slow
 def test_cli_hf_config_and_preset(tmp_path):
   cfg = _tiny().to_hf_config()
   path = tmp_path / "config.json"

@@ -363,6 +363,7 @@ def _sequence_case(seed=0):
   return params, apply_fn, advantage_fn, batch, ahead
 
 
+@pytest.mark.slow
 def test_advantage_fn_estimates_advantages_with_the_current_value_network():
   # With advantage_fn, each SGD step computes GAE from the value network as that step finds
   # it (Brax's PPO). One epoch of one minibatch is then the update with GAE computed ahead

@@ -163,6 +163,7 @@ def test_tokenizer_with_model_is_refused():
     pipeline.PreferenceConfig(model="m", tokenizer="t")
 
 
+@pytest.mark.slow
 def test_sft_stage_exports_the_trained_model_for_transformers(tmp_path, monkeypatch):
   """run_preference from scratch (BPE tokenizer, tiny pre-training and SFT), stop_after="sft":
   ``<logdir>/hf_model`` holds the SFT-trained model, whose logits in ``transformers`` equal

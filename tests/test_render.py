@@ -41,6 +41,7 @@ def _gif_frames(path):
   return np.stack(frames)
 
 
+@pytest.mark.slow
 def test_render_policy_writes_moving_mp4_and_gif(run, tmp_path):
   # CartpoleBalance: dt = 0.01 s, so max_fps=50 keeps every 2nd of 40 steps:
   # steps 0, 2, ..., 38 plus the last (40) = 21 frames at 50 fps.
@@ -88,6 +89,7 @@ def test_gif_keeps_a_small_bright_body_and_one_palette(tmp_path):
   assert len(palettes) == 1
 
 
+@pytest.mark.slow
 def test_rollout_freezes_after_done_and_checks_camera(tmp_path):
   """A Brax env, a hand-written policy, and a frozen frame after termination."""
   env = envs.make("brax/inverted_pendulum")
@@ -111,6 +113,7 @@ def test_rollout_freezes_after_done_and_checks_camera(tmp_path):
     render.render_rollout(env, push, str(tmp_path / "x.mp4"), height=33, width=32)
 
 
+@pytest.mark.slow
 def test_eval_video_compiles_once_for_changing_params(tmp_path):
   """What the trainer calls after each evaluation: new parameters, no recompilation."""
   env = envs.make("brax/inverted_pendulum")

@@ -14,6 +14,7 @@ class _Tok:
   eos_token_id, pad_token_id = 2, 0
 
 
+@pytest.mark.slow
 def test_normalized_head_gives_unit_scores_on_policy_samples_and_keeps_order():
   cfg = pipeline.tiny_lm_config(40, hidden_size=32, num_heads=2, num_kv_heads=1)
   policy = llm.DecoderLM(cfg, rngs=nnx.Rngs(0))

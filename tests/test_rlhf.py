@@ -37,6 +37,7 @@ def _trainer(**kw):
       reward_model=reward_model, reward_fn=None if reward_model is not None else reward_fn)
 
 
+@pytest.mark.slow
 def test_ppo_first_minibatch_ratio_one_and_old_log_probs_exact():
   tr = _trainer(algo="ppo", ppo=ppo.PPOConfig(num_epochs=1, num_minibatches=1))
   params0 = jax.tree.map(jnp.copy, tr.actor_params())
@@ -57,6 +58,7 @@ def test_ppo_first_minibatch_ratio_one_and_old_log_probs_exact():
   assert max(jax.tree.leaves(diff)) > 0
 
 
+@pytest.mark.slow
 def test_ppo_ratio_one_at_first_of_several_minibatches():
   tr = _trainer(algo="ppo", ppo=ppo.PPOConfig(num_epochs=2, num_minibatches=2))
   rec = tr.step()
@@ -67,6 +69,7 @@ def test_ppo_ratio_one_at_first_of_several_minibatches():
     assert rec[k] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo, extra", [("ppo", {}), ("grpo", dict(group_size=4, kl_placement="loss"))])
 def test_microbatches_give_the_same_step(algo, extra):
   # Gradient accumulation (2 parts per minibatch) is the same step as one pass, for PPO with
@@ -89,6 +92,7 @@ def test_microbatches_give_the_same_step(algo, extra):
     np.testing.assert_allclose(rec2["kl_loss"], rec1["kl_loss"], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_grpo_beta0_pg_loss_is_minus_mean_normalised_advantage():
   tr = _trainer(algo="grpo", group_size=4, prompts_per_step=4, kl_coef=0.0,
                 ppo=ppo.PPOConfig(num_epochs=1, num_minibatches=1, normalize_advantages=False))
@@ -105,6 +109,7 @@ def test_grpo_beta0_pg_loss_is_minus_mean_normalised_advantage():
   assert rec["vf_loss"] == 0.0  # no critic
 
 
+@pytest.mark.slow
 def test_beta0_skips_the_reference_pass_without_changing_the_update():
   """beta = 0 with a fixed controller: no reference forward (as TRL at beta = 0), same update.
 
@@ -126,6 +131,7 @@ def test_beta0_skips_the_reference_pass_without_changing_the_update():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_kl_metric_is_the_k1_sum_per_response_whatever_the_estimator():
   """``kl`` is TRL's ``objective/kl``: the batch mean of ``sum_t (log pi - log pi_ref)``
   (k1, per response, in nats), also with ``kl_estimator="k3"`` in the reward; ``kl_token`` is
@@ -156,6 +162,7 @@ def test_console_kl_has_no_negative_zero():
   assert pipeline.rl_step_line(rec) == "rl step    3: reward 0.500  kl 0.000  len 4.00  step 0.250s"
 
 
+@pytest.mark.slow
 def test_kl_in_loss_is_zero_at_the_reference():
   # A reward that differs within groups (sum of token ids), so the policy moves.
   by_length = lambda smp: np.asarray([sum(ids) for ids in smp.response_ids], np.float32)
@@ -169,6 +176,7 @@ def test_kl_in_loss_is_zero_at_the_reference():
   assert rec["kl_loss"] > 0  # after an update the policy has moved
 
 
+@pytest.mark.slow
 def test_reward_model_score_at_eos_and_reinforce_pp():
   rm = _model(seed=3)
   tr = _trainer(algo="reinforce_pp", kl_coef=0.0, reward_model=rm,
@@ -200,6 +208,7 @@ def test_config_validation():
     rlhf.RLHFConfig(prompts_per_step=8, ppo=ppo.PPOConfig(num_minibatches=2, num_microbatches=3))
 
 
+@pytest.mark.slow
 def test_embedded_default_raises_reward():
   # The embedded default (pre-train -> SFT -> PPO on addition), fewer RL steps. Measured on
   # 2 CPU cores: mean reward ~0.43 over the first 10 steps, ~0.65 over steps 71-80, and greedy
@@ -213,6 +222,7 @@ def test_embedded_default_raises_reward():
   assert s["kl_last"] < 5.0  # bounded: the KL penalty keeps the policy near the SFT model
 
 
+@pytest.mark.slow
 def test_sft_and_reward_model_stages_stop_when_asked():
   """``should_stop`` (the scripts pass their SIGTERM flag) is asked before every step: SFT and
   the reward model raise `Interrupted` naming the stage and the steps done."""
@@ -248,6 +258,7 @@ def _no_wall(records):
   return [{k: v for k, v in r.items() if not k.endswith("wall_s")} for r in records]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["sft", "rm"])
 def test_stage_interrupted_then_resumed_from_its_saved_state_equals_an_uninterrupted_one(
     stage, tmp_path):
@@ -336,6 +347,7 @@ def test_stage_interrupted_then_resumed_from_its_saved_state_equals_an_uninterru
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["sft", "rm"])
 def test_stage_saved_every_n_steps_resumes_after_a_crash_as_if_uninterrupted(stage, tmp_path):
   """`stages_lib.run_stage(save_every=2)`: the stage's state is saved before steps 3 and 5

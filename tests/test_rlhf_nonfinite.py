@@ -70,6 +70,7 @@ def _run_and_check(tr, caplog, inject=None):
              for m in caplog.messages), caplog.messages
 
 
+@pytest.mark.slow
 def test_nan_reward_fn_is_skipped_counted_and_warned(caplog):
   # Adaptive KL: the controller's state must not move at the skipped step either.
   tr = _trainer(algo="ppo", num_steps=3, adaptive_kl=True, reward_fn=_nan_reward_at(K))

@@ -207,6 +207,7 @@ def test_same_seed_gives_identical_rollouts_and_metrics():
   _assert_items_equal(items_a, items_b)
 
 
+@pytest.mark.slow
 def test_sigterm_in_sft_saves_it_resumes_it_and_after_sft_checkpoints_rl_step_0(
     tmp_path, monkeypatch):
   """In-process, as the script's SIGTERM flag sees it. A SIGTERM during SFT stops it at the

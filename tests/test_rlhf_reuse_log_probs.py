@@ -28,6 +28,7 @@ def _trainer(reuse):
                           prompt_texts=PROMPT_TEXTS, reward_fn=reward)
 
 
+@pytest.mark.slow
 def test_reuse_rollout_log_probs_matches_the_recomputed_update():
   base, fast = _trainer(False), _trainer(True)
   for _ in range(2):  # the second step starts from the (equal) updated actors

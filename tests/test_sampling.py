@@ -91,6 +91,7 @@ def _rescore(model, out, temperature):
   return np.asarray(lp[:, out.prompt_tokens.shape[1]:])
 
 
+@pytest.mark.slow
 def test_sampled_log_probs_match_full_forward(models):
   _, model = models["llama_gqa"]
   config = _config(temperature=0.7)
@@ -157,6 +158,7 @@ def test_two_eos_ids_stop_on_either(models):
   assert out.num_steps == 4
 
 
+@pytest.mark.slow
 def test_decode_segments_equal_one_loop(models):
   """The decode in segments (each a loop over a cache just long enough for its steps, grown
   between loops) gives the one-loop decode's tokens and log-probs: sampled, with an EOS that
@@ -181,6 +183,7 @@ def test_decode_segments_equal_one_loop(models):
   assert ref.lengths[0] == 2 and ref.lengths[2] <= 7  # the EOS case stops rows early
 
 
+@pytest.mark.slow
 def test_batch_threads_equal_one_call(models):
   """Row groups sampled on threads give one call's tokens and log-probs: sampled and greedy, a
   group whose last rows are filler and a group of filler only, rows stopped by an EOS at
@@ -238,6 +241,7 @@ def test_resolve_batch_threads(monkeypatch):
   assert resolve(config(), 64, cores=8) == 1 and resolve(config(2), 64) == 2
 
 
+@pytest.mark.slow
 def test_batch_threads_with_weights_on_several_devices():
   """A sampler whose weights lie on several devices samples in one call (0), and refuses > 1;
   the same sampler on one device uses 2 threads on 2 cores, with the same tokens."""
@@ -453,6 +457,7 @@ def test_config_validation():
     sampling.SamplingConfig(max_new_tokens=1, prompt_buckets=(8, 4))
 
 
+@pytest.mark.slow
 def test_bf16_sampling_copy_of_f32_model(models):
   _, model = models["qwen2_tied"]
   config = _config(dtype="bfloat16", cache_dtype="float32")

@@ -1,6 +1,5 @@
 """SFT sequence packing (rljax.alignment.sft.pack_examples): packed == unpacked, less padding."""
 
-import os
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +12,6 @@ from rljax.envs.text import data as text_data
 from rljax.models import llm
 from rljax.sampling import bucket_size
 
-HH_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
-                       "hh-rlhf-harmless-base-test.jsonl.gz")
 
 
 def test_segment_positions_gold():
@@ -47,12 +44,9 @@ def _padding(batch):
   return 1.0 - float(np.mean(batch["mask"]))
 
 
-@pytest.mark.slow  # ~60 s on the shared 2-core machine (tokenizer training, three compiles)
-def test_packed_loss_equals_unpacked_and_padding_drops_on_hh_rlhf():
-  if not os.path.exists(HH_PATH):
-    pytest.skip(f"real-data test needs {os.path.abspath(HH_PATH)} (HH-RLHF harmless-base test "
-                "split), which is absent")
-  pairs = text_data.load_preference_pairs(HH_PATH, limit=400)
+@pytest.mark.slow  # about 60 s on 2 CPU cores (tokenizer training, three compiles)
+def test_packed_loss_equals_unpacked_and_padding_drops_on_hh_rlhf(hh_rlhf_path):
+  pairs = text_data.load_preference_pairs(hh_rlhf_path, limit=400)
   tok = text_data.train_bpe_tokenizer([p.prompt + " " + p.chosen for p in pairs], vocab_size=512)
   # Longer truncation than the default pipeline (prompt <= 256, response <= 128 tokens), where
   # the dialogues' spread of lengths makes padding dominate a padded batch.

@@ -47,6 +47,7 @@ def test_rules_table_and_activation_rules():
     rules.spec_for((4,), ("embed", "mlp"), mesh_lib.make_mesh(), rules.param_rules("fsdp"))
 
 
+@pytest.mark.slow
 def test_eight_fake_devices_subprocess():
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
   path = os.path.join(os.path.dirname(__file__), "_sharding_8dev_cases.py")

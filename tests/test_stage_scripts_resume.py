@@ -38,6 +38,7 @@ def _records(logdir):
           for r in read_jsonl(os.path.join(logdir, "metrics.jsonl"))]
 
 
+@pytest.mark.slow
 def test_reward_model_run_sigtermed_resumes_exactly_and_a_finished_rerun_trains_nothing(
     tmp_path, monkeypatch):
   from test_rlhf_preference_resume import _write_pairs

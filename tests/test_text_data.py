@@ -2,14 +2,12 @@
 
 import gzip
 import json
-import os
 
 import numpy as np
 import pytest
 
 from rljax.envs.text import data
 
-HH_PATH = "/work/shared/data/hh-rlhf-harmless-base-test.jsonl.gz"
 
 CHOSEN = "\n\nHuman: Hi there\n\nAssistant: Hello!\n\nHuman: Tell me a joke\n\nAssistant: Sure, a short one."
 REJECTED = "\n\nHuman: Hi there\n\nAssistant: Hello!\n\nHuman: Tell me a joke\n\nAssistant: No."
@@ -103,10 +101,8 @@ def test_tokenizer_chat_template_and_eos():
   assert r[-1] == tok.eos_token_id == 2
 
 
-def test_real_hh_rlhf_file():
-  if not os.path.exists(HH_PATH):
-    pytest.skip(f"{HH_PATH} not present")
-  pairs = data.load_preference_pairs(HH_PATH)
+def test_real_hh_rlhf_file(hh_rlhf_path):
+  pairs = data.load_preference_pairs(hh_rlhf_path)
   assert len(pairs) == 2312
   assert all(p.prompt.endswith(data.ASSISTANT_MARKER) for p in pairs)
   assert all(p.messages and p.messages[-1]["role"] == "user" for p in pairs)
