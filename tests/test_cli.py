@@ -12,10 +12,7 @@ from rljax.alignment import flags as alignment_flags
 from rljax.alignment import pipeline_config
 from rljax.control import apg, checkpointing
 from rljax.control.config import PPO_FIELDS, ControlConfig, nest_ppo_fields
-
-TINY = dict(env="playground/CartpoleBalance", num_timesteps=4 * 16 * 8, num_envs=16,
-            unroll_length=8, num_minibatches=2, num_epochs=2, num_evals=3, num_eval_envs=4,
-            episode_length=50, policy_hidden=(8,), value_hidden=(8,))
+from test_control import TINY
 
 
 def test_rewrite_deprecated_replaces_both_forms_and_notes_each_old_name_once():
