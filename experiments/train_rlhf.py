@@ -109,6 +109,14 @@ _REWARD_MODEL = flags.DEFINE_string(
 _EVAL_PROMPTS = flags.DEFINE_integer(
     "num_eval_prompts", None, "Embedded: held-out problems for greedy accuracy (0 = none).")
 _PPS = flags.DEFINE_integer("prompts_per_step", None, "Prompts per RL step.")
+# Asynchronous RLHF (rljax.alignment.rollouts).
+_STALENESS = flags.DEFINE_integer(
+    "max_staleness", None, "Asynchronous RLHF: 0 (default) generates and trains in turn; s > 0 "
+    "generates the next batches on a generator thread with weights at most s updates old while "
+    "the update runs (1: one-step off-policy), corrected by the decoupled PPO objective.")
+_IS_CAP = flags.DEFINE_float(
+    "behaviour_weight_cap", None, "Asynchronous RLHF: truncation of the importance weight "
+    "pi_prox / pi_behav (>= 1; default 5).")
 
 
 def rl_overrides() -> dict:
@@ -121,7 +129,8 @@ def rl_overrides() -> dict:
                     ("kl_placement", _KL_IN), ("adaptive_kl", _ADAPTIVE), ("kl_target", _KL_TARGET),
                     ("overlong_buffer", _OVERLONG), ("kl_horizon", _KL_HORIZON),
                     ("actor_lr", _ACTOR_LR), ("critic_lr", _CRITIC_LR), ("nonfinite", _NONFINITE),
-                    ("compute_dtype", _COMPUTE_DTYPE)):
+                    ("compute_dtype", _COMPUTE_DTYPE), ("max_staleness", _STALENESS),
+                    ("behaviour_weight_cap", _IS_CAP)):
     if flag.value is not None:
       out[key] = flag.value
   return out

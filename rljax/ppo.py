@@ -272,6 +272,7 @@ def ppo_loss(
     *,
     config: PPOConfig,
     normalizer: Array | float | None = None,
+    behaviour_weights: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
   r"""The clipped PPO objective with value loss and entropy bonus.
 
@@ -281,6 +282,14 @@ def ppo_loss(
       pg_loss  = agg( -min(rho * A, clip(rho, 1 - eps_l, 1 + eps_h) * A) )
       vf_loss  = agg( 0.5 * (V - R)^2 )           (or the max with the clipped form)
       loss     = pg_loss + vf_coef * vf_loss - entropy_coef * agg(entropy)
+
+  With ``behaviour_weights`` ``w`` the policy term is the decoupled PPO objective (Hilton
+  et al. 2022, arXiv:2110.00641, eq. 2; used off-policy by AReaL, Fu et al. 2025,
+  arXiv:2505.24298, eq. 5): ``old_log_probs`` are then the *proximal* policy's (the one the
+  clip is centred on) and ``w = pi_prox / pi_behav`` (truncated, no gradient) corrects for
+  samples drawn by an older behaviour policy::
+
+      pg_loss  = agg( -w * min(rho * A, clip(rho, 1 - eps_l, 1 + eps_h) * A) )
 
   Args:
     log_probs: ``[B, T]`` (or ``[N]``) float32 log-probs of the taken actions
@@ -296,6 +305,8 @@ def ppo_loss(
       it is only a metric and gets no gradient (``stop_gradient``).
     config: the loss hyperparameters.
     normalizer: optional global token count for ``TOKEN_MEAN`` aggregation.
+    behaviour_weights: optional, same shape, ``pi_prox / pi_behav`` per step (see above);
+      None is the plain PPO objective (``w = 1``, bit for bit).
 
   Returns:
     ``(loss, metrics)``: a scalar loss and a dict with scalars ``pg_loss``,
@@ -315,7 +326,10 @@ def ppo_loss(
   clipped_ratio = jnp.clip(ratio, 1.0 - config.clip_eps, 1.0 + eps_high)
   surrogate = ratio * advantages
   surrogate_clipped = clipped_ratio * advantages
-  pg_loss = agg(-jnp.minimum(surrogate, surrogate_clipped))
+  pg_term = -jnp.minimum(surrogate, surrogate_clipped)
+  if behaviour_weights is not None:
+    pg_term = jax.lax.stop_gradient(behaviour_weights) * pg_term
+  pg_loss = agg(pg_term)
 
   v_err = jnp.square(values - returns)
   if config.value_clip_eps is not None:
@@ -406,7 +420,8 @@ def ppo_update(
       control, ``N`` sequences for alignment). It holds the keys in ``BATCH_KEYS``
       (``log_probs``, ``values``, ``advantages``, ``returns``, ``mask``: each
       ``[N]`` or ``[N, T]``) plus whatever ``apply_fn`` reads (observations,
-      actions, tokens...).
+      actions, tokens...). An optional ``behaviour_weights`` key (same shape as ``mask``)
+      turns the policy term into the decoupled objective (`ppo_loss`).
     key: PRNG key for the permutations.
     apply_fn: ``apply_fn(params, minibatch) -> (log_probs, values, entropy)``, each
       shaped like ``minibatch['mask']``; the only domain-specific piece.
@@ -480,6 +495,7 @@ def ppo_update(
           minibatch["mask"],
           entropy,
           config=loss_config,
+          behaviour_weights=minibatch.get("behaviour_weights"),
       )
       if penalty_fn is None:
         return loss, metrics

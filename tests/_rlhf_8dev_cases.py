@@ -140,6 +140,26 @@ def rm_parity(mesh):
               bias=[res[0][2], res[1][2]], lr=cfg.learning_rate)
 
 
+def async_disaggregated(dis):
+  """Disaggregated placement, max_staleness=1 against 0: with frozen weights (lr under f32
+  resolution) the same tokens and metrics; with learning, the lag of each step."""
+  frozen = dict(actor_lr=1e-30, critic_lr=1e-30)
+  runs = {}
+  for s in (0, 1):
+    tr = trainer(dis, config=dataclasses.replace(CONFIG, max_staleness=s, num_steps=2, **frozen))
+    recs = [tr.step() for _ in range(2)]
+    runs[s] = recs, np.asarray(tr.last_batch["response_tokens"])
+    tr.close()
+  (r0, t0), (r1, t1) = runs[0], runs[1]
+  keys = [k for k in r0[0] if not k.startswith(("timing/", "rollout/"))]
+  learning = trainer(dis, config=dataclasses.replace(CONFIG, max_staleness=1, num_steps=3))
+  lags = [learning.step()["rollout/policy_lag_max"] for _ in range(3)]
+  learning.close()
+  return dict(tokens_equal=bool(np.array_equal(t0, t1)),
+              metric_diff={k: abs(r0[i][k] - r1[i][k]) for i in range(2) for k in keys},
+              lags=lags)
+
+
 def main():
   assert jax.device_count() == 8
   one = trainer()
@@ -152,6 +172,7 @@ def main():
   dis = pl.Placement.disaggregated_split(num_generate=2,
                                          train_mesh=mesh_lib.MeshConfig(data=3, fsdp=2))
   out["disaggregated"] = run(trainer(dis), ref_rec, ref_params)
+  out["async_disaggregated"] = async_disaggregated(dis)
   out["sft"] = sft_parity(mesh)
   out["rm"] = rm_parity(mesh)
   try:

@@ -41,6 +41,10 @@ def _write(path, lines):
 @pytest.fixture
 def existing_run(tmp_path):
   """A logdir holding an (embedded, default-config) run's checkpoint files."""
+  return _make_existing_run(tmp_path)
+
+
+def _make_existing_run(tmp_path):
   logdir = tmp_path / "run"
   cfg = pipeline.EmbeddedConfig(rl=pipeline.default_rl_config("ppo"))
   from rljax.alignment import checkpointing
@@ -56,10 +60,13 @@ def existing_run(tmp_path):
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
   """Hugging Face model folders for --model: a good tiny Llama and broken copies of it."""
+  return _make_hf_models(tmp_path_factory.mktemp("hf_models"))
+
+
+def _make_hf_models(root):
   import safetensors.numpy
   from test_pretrained_init import make_hf_folder
 
-  root = tmp_path_factory.mktemp("hf_models")
   good = make_hf_folder(root / "good")
   out = {"good": good}
   for name in ("gpt2", "bad_shape", "no_config"):
@@ -237,6 +244,12 @@ def _cases(tmp_path, existing, hf=None):
           f"--logdir."),
       "model_without_data": ("train_rlhf.py", [m.get("good"), e],
                              "needs --preference_data=PATH"),
+      # Asynchronous RLHF: its settings are checked before anything compiles.
+      "max_staleness_negative": ("train_rlhf.py", ["--max_staleness=-1", n],
+                                 "error: max_staleness must be >= 0 (0: synchronous), got -1."),
+      "async_disaggregated_on_one_device": (
+          "train_rlhf.py", ["--placement=disaggregated", "--max_staleness=1", n],
+          "--placement=disaggregated needs >= 2 devices, got 1"),
   }
 
 
@@ -255,7 +268,8 @@ CASES = ["unknown_algo", "logdir_not_writable", "malformed_json", "invalid_utf8"
          "model_missing_folder", "model_missing_config", "model_with_tokenizer",
          "reward_model_without_model", "reward_model_without_data", "reward_model_with_rm_steps",
          "reward_model_not_a_reward_model",
-         "model_without_data", "stage_script_existing_run"]
+         "model_without_data", "stage_script_existing_run", "max_staleness_negative",
+         "async_disaggregated_on_one_device"]
 
 
 def n_logdir(tmp_path) -> str:
@@ -263,21 +277,75 @@ def n_logdir(tmp_path) -> str:
   return f"--logdir={tmp_path}/fresh"
 
 
+def _run_cases(root) -> dict:
+  """Every case of `CASES`, each in its own folder under ``root`` with its own existing run,
+  run by tests/_script_cases.py: one process per script for all its cases (each case parses
+  its flags afresh and runs the script's ``main``). Returns per case its script, message, exit
+  status, stderr, whether the existing run is unchanged and what the fresh logdir holds."""
+  hf = _make_hf_models(root / "hf_models")
+  cases, before = {}, {}
+  for name in CASES:
+    case_dir = root / name
+    case_dir.mkdir()
+    existing = _make_existing_run(case_dir)
+    script, args, message = _cases(case_dir, existing, hf)[name]
+    extra = "--nocompilation_cache" if script == "train_rlhf.py" else "--seed=0"
+    cases[name] = dict(script=script, args=[*args, extra], message=message,
+                       cwd=str(case_dir), existing=str(existing),
+                       fresh=str(case_dir / "fresh") if n_logdir(case_dir) in args else None)
+    before[name] = _snapshot(existing)
+  results = {}
+  for script in sorted({c["script"] for c in cases.values()}):
+    mine = [dict(name=n, args=c["args"], cwd=c["cwd"]) for n, c in cases.items()
+            if c["script"] == script]
+    with open(root / f"{script}.cases.json", "w", encoding="utf-8") as f:
+      json.dump(mine, f)
+    out_path = root / f"{script}.results.json"
+    out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "_script_cases.py"),
+                          _script(script), str(root / f"{script}.cases.json"), str(out_path)],
+                         capture_output=True, text=True, timeout=600, cwd=str(root))
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open(out_path, encoding="utf-8") as f:
+      results.update(json.load(f))
+  for name, c in cases.items():
+    fresh = c["fresh"]
+    results[name].update(
+        script=c["script"], message=c["message"],
+        unchanged=_snapshot(c["existing"]) == before[name],
+        fresh=None if fresh is None else (os.listdir(fresh) if os.path.exists(fresh) else []),
+        fresh_exists=fresh is not None and os.path.exists(fresh))
+  return results
+
+
+@pytest.fixture(scope="session")
+def bad_input_results(tmp_path_factory):
+  """`_run_cases` once per test session: the first xdist worker to ask runs them, under a
+  file lock in the workers' shared temporary folder; the others read its JSON."""
+  from filelock import FileLock
+
+  shared = tmp_path_factory.getbasetemp().parent
+  path = shared / "bad_input_results.json"
+  with FileLock(str(path) + ".lock"):
+    if not path.exists():
+      root = shared / "bad_input_cases"
+      if root.exists():
+        shutil.rmtree(root)
+      root.mkdir()
+      path.write_text(json.dumps(_run_cases(root)))
+  return json.loads(path.read_text())
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_bad_input_exits_2_with_message_before_compiling(case, tmp_path, existing_run,
-                                                         hf_models):
-  script, args, message = _cases(tmp_path, existing_run, hf_models)[case]
-  before = _snapshot(existing_run)
-  cmd = [sys.executable, _script(script), *args, "--nocompilation_cache"
-         if script == "train_rlhf.py" else "--seed=0"]
-  out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
-  assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
-  assert message in out.stderr, out.stderr[-2000:]
-  assert "Traceback" not in out.stderr
-  assert out.stderr.strip().splitlines()[-1].startswith("error: ")
-  assert _snapshot(existing_run) == before  # nothing written over an existing run
-  if n_logdir(tmp_path) in args:  # a bad data file or model folder creates no logdir
-    assert not os.path.exists(tmp_path / "fresh"), os.listdir(tmp_path / "fresh")
+def test_bad_input_exits_2_with_message_before_compiling(case, bad_input_results):
+  r = bad_input_results[case]
+  message, stderr = r["message"], r["stderr"]
+  assert r["returncode"] == 2, (r["returncode"], stderr[-2000:])
+  assert message in stderr, stderr[-2000:]
+  assert "Traceback" not in stderr
+  assert stderr.strip().splitlines()[-1].startswith("error: ")
+  assert r["unchanged"]  # nothing written over an existing run
+  # A bad data file or model folder creates no logdir.
+  assert not r["fresh_exists"], r["fresh"]
 
 
 def test_sft_script_has_no_reward_model_flag(tmp_path):

@@ -74,16 +74,17 @@ config_to_json = ckpt.config_to_json  # a (nested) config as JSON: enums by valu
 def state_items(state: rlhf.RLHFState) -> tuple[dict[str, Any], dict[str, Any]]:
   """``(policy, train_state)`` items of ``state``: flat ``{key path: array}`` dicts.
 
-  ``policy`` holds the actor's parameters; ``train_state`` everything else. The PRNG key is
-  stored as its raw ``uint32`` data; ints as int64 scalars.
+  ``policy`` holds the actor's parameters; ``train_state`` everything else (with
+  ``max_staleness > 0`` also ``lagged_actor``: the weights that generate the in-flight
+  batches). The PRNG key is stored as its raw ``uint32`` data; ints as int64 scalars.
   """
   params = state.ppo_state.params
   policy = ckpt.to_saveable({"actor": params["actor"]})
-  train = ckpt.to_saveable({
-      "critic": params.get("critic", {}),
-      "opt_state": state.ppo_state.opt_state,
-      "kl_coef": state.kl_state.kl_coef,
-  })
+  rest = {"critic": params.get("critic", {}), "opt_state": state.ppo_state.opt_state,
+          "kl_coef": state.kl_state.kl_coef}
+  if state.lagged_actor:
+    rest["lagged_actor"] = {str(i): p for i, p in enumerate(state.lagged_actor)}
+  train = ckpt.to_saveable(rest)
   train["step"] = np.asarray(state.step, np.int64)
   train["data_position"] = np.asarray(tuple(state.data_position), np.int64)
   train["key"] = jax.random.key_data(state.key)
@@ -97,9 +98,12 @@ def state_from_items(template: rlhf.RLHFState, policy: dict[str, Any],
   tree structure and the PRNG key's implementation."""
   params = dict(template.ppo_state.params)
   params["actor"] = ckpt.from_saveable({"actor": params["actor"]}, policy)["actor"]
-  rest = ckpt.from_saveable({"critic": params.get("critic", {}),
-                             "opt_state": template.ppo_state.opt_state,
-                             "kl_coef": template.kl_state.kl_coef}, train)
+  like = {"critic": params.get("critic", {}), "opt_state": template.ppo_state.opt_state,
+          "kl_coef": template.kl_state.kl_coef}
+  if template.lagged_actor:
+    like["lagged_actor"] = {str(i): p for i, p in enumerate(template.lagged_actor)}
+  rest = ckpt.from_saveable(like, train)
+  lagged = tuple(rest["lagged_actor"][str(i)] for i in range(len(template.lagged_actor)))
   if "critic" in params:
     params["critic"] = rest["critic"]
   epoch, index, seed = (int(x) for x in np.asarray(train["data_position"]))
@@ -108,7 +112,7 @@ def state_from_items(template: rlhf.RLHFState, policy: dict[str, Any],
   return rlhf.RLHFState(
       ppo.PPOState(params, rest["opt_state"]), kl_lib.KLControllerState(rest["kl_coef"]),
       int(train["step"]), text_data.DataPosition(epoch, index, seed), key,
-      int(train["skipped_updates"]))
+      int(train["skipped_updates"]), lagged)
 
 
 # ---- frozen roles -------------------------------------------------------------------------------
@@ -292,6 +296,7 @@ def train(trainer: rlhf.RLHFTrainer, logdir: str, *, checkpoint_every: int = 10,
   resumed_from = None
   with contextlib.ExitStack() as stack:
     stack.callback(saver.close)
+    stack.callback(trainer.close)  # an asynchronous run's generator thread
     if sigterm is None:
       sigterm = stack.enter_context(ckpt.SigtermFlag())
     if resume:

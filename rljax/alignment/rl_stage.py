@@ -3,10 +3,12 @@ console lines."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
-from rljax.alignment import checkpointing, rlhf, summary
+from rljax import runtime
+from rljax.alignment import checkpointing, rlhf, summary, timeline
 
 
 def run_rl(trainer: rlhf.RLHFTrainer, logdir: str | None, *, use_ckpt: bool, writer,
@@ -20,6 +22,8 @@ def run_rl(trainer: rlhf.RLHFTrainer, logdir: str | None, *, use_ckpt: bool, wri
   is the whole RL history read back from ``metrics.jsonl``; otherwise through
   `rljax.alignment.rlhf.RLHFTrainer.train` (``resumed_from`` is then None). The first step,
   every ``show_every``-th and the last go to ``log`` as `rljax.alignment.summary.rl_step_line`.
+  With a ``logdir`` the steps run here are drawn to ``<logdir>/timeline.png``
+  (`rljax.alignment.timeline`; also when the run stops early).
   """
   num_steps = trainer.config.num_steps
 
@@ -29,9 +33,20 @@ def run_rl(trainer: rlhf.RLHFTrainer, logdir: str | None, *, use_ckpt: bool, wri
 
   if not use_ckpt:
     return trainer.train(writer=writer, callback=show), None
-  history, resumed_from = checkpointing.train(
-      trainer, logdir, checkpoint_every=checkpoint_every, keep=keep_checkpoints,
-      resume=resume, writer=writer, callback=show, log=log, sigterm=sigterm)
+  try:
+    history, resumed_from = checkpointing.train(
+        trainer, logdir, checkpoint_every=checkpoint_every, keep=keep_checkpoints,
+        resume=resume, writer=writer, callback=show, log=log, sigterm=sigterm)
+  finally:
+    if runtime.is_primary():
+      timeline.write_timeline(trainer.timeline, os.path.join(logdir, "timeline.png"),
+                              title=_title(trainer.config))
   if resumed_from is not None:  # the whole RL history, from before the resume too
     history = checkpointing.rl_history(writer.jsonl_path, history)
   return history, resumed_from
+
+
+def _title(config: rlhf.RLHFConfig) -> str:
+  mode = (f"asynchronous, max_staleness={config.max_staleness}" if config.max_staleness
+          else "synchronous")
+  return f"{config.algo.value} RL steps ({mode}): generation, scoring, training, weight sync"

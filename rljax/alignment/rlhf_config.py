@@ -101,6 +101,17 @@ class RLHFConfig:
       gradients, parameters and optimizer states stay in their stored dtype (f32 master
       weights). Log-probs, softmax, norms, the KV cache of an f32 model and the losses stay
       f32 (``rljax.models.llm``).
+    max_staleness: asynchronous RLHF (``>= 0``). 0 generates, scores and trains each batch
+      in turn. ``s > 0`` generates batch ``k`` on a generator thread with the weights after
+      update ``k - s`` while the earlier batches train, so that generation overlaps the
+      update; no sample is trained more than ``s`` updates after the policy that generated
+      it (`rljax.alignment.rollouts`). The update then uses the decoupled PPO objective
+      (`rljax.ppo.ppo_loss`): the clip is centred on the current (proximal) policy and each
+      token's term is weighted by ``min(pi_prox / pi_behav, behaviour_weight_cap)``, where
+      ``pi_behav`` is the sampler's full-vocabulary probability of the sampled token under
+      the generating weights.
+    behaviour_weight_cap: truncation of that importance weight (``>= 1``), as IMPALA's
+      ``rho_bar`` (Espeholt et al. 2018, arXiv:1802.01561).
   """
 
   algo: Algorithm = Algorithm.PPO
@@ -133,6 +144,8 @@ class RLHFConfig:
   seed: int = 0
   nonfinite: str = "skip"
   compute_dtype: str | None = None
+  max_staleness: int = 0
+  behaviour_weight_cap: float = 5.0
 
   def __post_init__(self):
     object.__setattr__(self, "algo", _enum(Algorithm, self.algo, "algo"))
@@ -163,6 +176,14 @@ class RLHFConfig:
       raise ValueError(
           f"overlong_buffer must be in [0, max_new_tokens={self.max_new_tokens}], got "
           f"{self.overlong_buffer}.")
+    if self.max_staleness < 0:
+      raise ValueError(f"max_staleness must be >= 0 (0: synchronous), got {self.max_staleness}.")
+    if not self.behaviour_weight_cap >= 1:
+      raise ValueError(f"behaviour_weight_cap must be >= 1, got {self.behaviour_weight_cap}.")
+    if self.reuse_rollout_log_probs and self.max_staleness:
+      raise ValueError(
+          f"reuse_rollout_log_probs needs max_staleness=0 (got {self.max_staleness}): an "
+          f"asynchronous update recomputes the proximal log-probs its clip is centred on.")
     if self.reuse_rollout_log_probs and (self.ppo.num_epochs, self.ppo.num_minibatches) != (1, 1):
       raise ValueError(
           f"reuse_rollout_log_probs needs a single-pass update (ppo.num_epochs == 1 and "

@@ -11,6 +11,7 @@ import numpy as np
 
 from rljax import checkpoint as ckpt
 from rljax import runtime
+from rljax.alignment.timeline import overlap_summary
 
 
 def history_summary(history: Sequence[Mapping[str, float]], k: int) -> dict[str, float]:
@@ -21,7 +22,10 @@ def history_summary(history: Sequence[Mapping[str, float]], k: int) -> dict[str,
   skipped by the non-finite guard) does not turn them into NaN; an empty selection gives NaN.
   ``kl_last`` is the last step's ``kl`` as logged (NaN when it was not finite or not measured);
   ``summary_steps``: the window actually used, ``min(k, len(history) // 2)`` so that the first
-  and last windows do not overlap (1 for a 1-step run, whose two windows are its one step)."""
+  and last windows do not overlap (1 for a 1-step run, whose two windows are its one step).
+  Also the per-step phase times and the overlap of generation with the update
+  (`rljax.alignment.timeline.overlap_summary`: ``step_generation_s``, ``step_update_s``,
+  ``step_sync_s``, ``step_overlap_s``, ``step_s``, ``overlap_fraction``)."""
 
   def finite(values):
     a = np.asarray(list(values), np.float64)
@@ -39,7 +43,7 @@ def history_summary(history: Sequence[Mapping[str, float]], k: int) -> dict[str,
               score_first=mean(scores[:k]), score_last=mean(scores[-k:]),
               kl_max=float(kls.max()) if kls.size else float("nan"),
               kl_last=float(history[-1].get("kl", np.nan)) if history else float("nan"),
-              summary_steps=min(k, len(history)))
+              summary_steps=min(k, len(history)), **overlap_summary(history))
 
 
 def nats(x: float) -> str:
