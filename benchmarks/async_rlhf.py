@@ -93,7 +93,7 @@ def _pipeline_result(name: str, seeds: list[int], data: str | None) -> dict:
             f"reward_last {runs[s][-1]['reward_last']:.3f} ({time.perf_counter() - t:.0f}s)",
             flush=True)
   sync, asyn = runs[0], runs[_STALENESS.value]
-  speedups = [a["step_s"] and s["step_s"] / a["step_s"] for s, a in zip(sync, asyn)]
+  speedups = [s["step_s"] / a["step_s"] for s, a in zip(sync, asyn)]
   ideal = [s["step_s"] / max(s["generation_s"], s["update_s"]) for s in sync]
   speedup, ideal_speedup = statistics.mean(speedups), statistics.mean(ideal)
   std = lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0  # noqa: E731

@@ -121,9 +121,10 @@ class _Done(NamedTuple):
   state: Any
 
 
-def _snapshot(tree):
-  """A copy of ``tree``'s arrays that compiles nothing (``jnp.copy`` would compile one
-  program per leaf shape), made before the next step donates the originals."""
+def snapshot(tree):
+  """A device copy of ``tree``'s arrays (same shardings) that compiles nothing (``jnp.copy``
+  would compile one program per leaf shape), made before the next step donates the
+  originals; it waits for the copy."""
   return jax.block_until_ready(jax.device_put(tree, may_alias=False))
 
 
@@ -225,7 +226,7 @@ def run(spec: LoopSpec, state: Any, step_fn: Callable[[Any, int], tuple[Any, Rec
     if start == 0 and spec.evaluate_first and evaluate is not None:
       before = _Done(0, dict(first_record or {}), state)
       if overlap:
-        pending = before._replace(state=_snapshot(state))
+        pending = before._replace(state=snapshot(state))
       else:
         finish(before, evaluate_now(state, 0))
     for step in range(start + 1, n + 1):
@@ -238,7 +239,7 @@ def run(spec: LoopSpec, state: Any, step_fn: Callable[[Any, int], tuple[Any, Rec
       done = _Done(step, record, state)
       last = step == n
       if overlap and not last and not sigterm.received:
-        pending = done._replace(state=_snapshot(state))
+        pending = done._replace(state=snapshot(state))
         continue
       finish(done, evaluate_now(state, step))
       if not last and sigterm.any_process():  # every process stops after the same step

@@ -57,7 +57,6 @@ class Rollout(NamedTuple):
     version: the policy version (updates applied) of the weights that generated it.
     out: the sampler's `rljax.sampling.SampleOutput` (``tokens [B, R]``, ``log_probs_t1``:
       the behaviour policy's full-vocabulary log-probs of the sampled tokens, ...).
-    prompt_ids: the ``B`` prompts (token-id lists).
     ref_log_probs: ``[B, R]`` float32 REFERENCE log-probs (the sampler's own without a
       reference pass).
     raw_scores: ``[B]`` float32 scores of the reward model or function.
@@ -71,7 +70,6 @@ class Rollout(NamedTuple):
   plan: BatchPlan
   version: int
   out: SampleOutput
-  prompt_ids: list[list[int]]
   ref_log_probs: Any
   raw_scores: np.ndarray
   scores: np.ndarray
@@ -117,13 +115,13 @@ class Generator:
     self._cursor: tuple[int, jax.Array, text_data.DataPosition] | None = None
 
   def start(self, step: int, key: jax.Array, position: text_data.DataPosition,
-            lagged: tuple[Any, ...], max_staleness: int) -> None:
-    """Submits batches ``step .. step + s - 1`` (``s = max_staleness``), batch ``step + i``
-    with ``lagged[i]``, the weights of version ``max(0, step + i - s)``; ``key`` and
-    ``position`` are the train state's at ``step``."""
+            lagged: tuple[Any, ...]) -> None:
+    """Submits batches ``step .. step + s - 1`` (``s = len(lagged)``, the max_staleness),
+    batch ``step + i`` with ``lagged[i]``, the weights of version ``max(0, step + i - s)``;
+    ``key`` and ``position`` are the train state's at ``step``."""
     self._cursor = (step, key, position)
-    for i in range(max_staleness):
-      self.submit(lagged[i], max(0, step + i - max_staleness))
+    for i, params in enumerate(lagged):
+      self.submit(params, max(0, step + i - len(lagged)))
 
   def submit(self, params, version: int) -> None:
     """Queues the next batch, to be generated with ``params`` (policy ``version``)."""
