@@ -16,6 +16,9 @@ per pipeline:
 * ``fraction_of_ideal``: ``(speedup - 1) / (ideal - 1)``;
 * ``hidden_generation_fraction``: the share of the asynchronous runs' generation time that
   overlapped an update (``timing/overlap / timing/generation``, capped at 1);
+* ``sync_rollout_cores`` and ``sync_update_cores``: the CPU cores each phase keeps busy in the
+  synchronous runs (``timing/rollout_cores``, ``timing/update_cores``: process CPU time over
+  wall time), i.e. how much room the other phase has to run beside it;
 * ``reward_sync_mean``/``_std`` and ``reward_async_mean``/``_std``: the mean reward of the last
   10 steps over seeds (``std``: seed-to-seed), and both reward curves per seed.
 
@@ -77,6 +80,7 @@ def _run(pipeline_name: str, seed: int, staleness: int, data: str | None) -> dic
       + mean("timing/reshard"),
       update_s=mean("timing/critic") + mean("timing/update"),
       overlap_s=mean("timing/overlap"), raw_generation_s=mean("timing/generation"),
+      rollout_cores=mean("timing/rollout_cores"), update_cores=mean("timing/update_cores"),
       reward_last=float(summary["reward_last"]),
       reward_curve=[round(float(h["reward/mean"]), 4) for h in summary["history"]],
       policy_lag_max=max(h["rollout/policy_lag_max"] for h in summary["history"]),
@@ -108,6 +112,8 @@ def _pipeline_result(name: str, seeds: list[int], data: str | None) -> dict:
       async_step_s=statistics.mean(a["step_s"] for a in asyn),
       sync_generation_s=statistics.mean(s["generation_s"] for s in sync),
       sync_update_s=statistics.mean(s["update_s"] for s in sync),
+      sync_rollout_cores=statistics.mean(s["rollout_cores"] for s in sync),
+      sync_update_cores=statistics.mean(s["update_cores"] for s in sync),
       reward_sync_mean=statistics.mean(s["reward_last"] for s in sync),
       reward_sync_std=std([s["reward_last"] for s in sync]),
       reward_async_mean=statistics.mean(a["reward_last"] for a in asyn),

@@ -200,12 +200,36 @@ def main(argv):
   runtime.configure_logging(_F.verbose.value)
 
   def run():
+    # Processes joined (a no-op for one process outside SLURM), --mesh and --placement checked,
+    # before anything compiles. Disaggregated over 2 processes: process 1 only generates.
+    pair = (_F.start_disaggregated(offload_frozen=_OFFLOAD.value)
+            if _PLACEMENT.value == "disaggregated" else None)
+    if pair is not None:
+      link, placement = pair
+      if placement is None:
+        from rljax.alignment import remote_generation
+
+        from rljax.sharding.link import LinkError
+
+        try:
+          remote_generation.serve(link)
+        except LinkError as e:  # the trainer stopped or failed: one line, status 1
+          print(f"error: {e}", file=sys.stderr)
+          return 1
+        finally:
+          link.close()
+        return 0
+      try:
+        return train(placement)
+      finally:
+        placement.remote_generator.close()
+        link.close()
+    return train(_F.start(_PLACEMENT.value, offload_frozen=_OFFLOAD.value))
+
+  def train(placement):
     from rljax.alignment import pipeline
     from rljax.checkpoint import check_writable
 
-    # Processes joined (a no-op for one process outside SLURM), --mesh and --placement checked,
-    # before anything compiles.
-    placement = _F.start(_PLACEMENT.value, offload_frozen=_OFFLOAD.value)
     check_algo(_ALGO.value)
     if _CRITIC_LR.value is not None and _ALGO.value != "ppo":
       raise ValueError(f"--critic_lr applies to --algo=ppo only ({_ALGO.value} has no critic)")

@@ -348,8 +348,20 @@ def define_flags() -> None:
       "start; then the process exits with status 69 and a line saying what to check.")
 
 
-def initialize_from_flags() -> bool:
-  """:func:`initialize` with the flags of :func:`define_flags` (call after absl parsed them)."""
+def config_from_flags() -> DistributedConfig:
+  """The :class:`DistributedConfig` of the flags of :func:`define_flags`."""
   if not _FLAGS:
     raise RuntimeError("call rljax.sharding.distributed.define_flags() at module level first")
-  return initialize(DistributedConfig(**{k: f.value for k, f in _FLAGS.items()}))
+  return DistributedConfig(**{k: f.value for k, f in _FLAGS.items()})
+
+
+def num_processes_of(config: DistributedConfig) -> int:
+  """How many processes ``config`` (or SLURM, without explicit values) describes."""
+  if config.num_processes is not None:
+    return config.num_processes
+  return int(os.environ.get("SLURM_NTASKS", "1")) if under_slurm() else 1
+
+
+def initialize_from_flags() -> bool:
+  """:func:`initialize` with the flags of :func:`define_flags` (call after absl parsed them)."""
+  return initialize(config_from_flags())

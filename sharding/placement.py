@@ -72,6 +72,8 @@ class Placement:
   Attributes:
     roles: one :class:`RolePlacement` per :class:`Role` (all four required).
     generation: where and how the actor generates.
+    remote_generator: a sampler on another process that generates instead of ``generation``
+      (``rljax.alignment.remote_generation.RemoteSampler``; None: generation here).
 
   Raises:
     ValueError: if a role is missing, a key is not a ``Role``, or a trainable role is offloaded.
@@ -79,6 +81,7 @@ class Placement:
 
   roles: Mapping[Role, RolePlacement]
   generation: RolePlacement
+  remote_generator: Any = None
 
   def __post_init__(self):
     bad = [k for k in self.roles if not isinstance(k, Role)]

@@ -18,3 +18,17 @@ def subprocess_env(*, cpu: bool = True) -> dict[str, str]:
   if cpu:
     env["JAX_PLATFORMS"] = "cpu"
   return env
+
+
+def wait_all(procs, timeout: float = 600) -> list[tuple[str, str]]:
+  """``(stdout, stderr)`` of every process (``text=True`` pipes) once all have exited with
+  status 0; kills any still running on a timeout or failure."""
+  try:
+    outs = [p.communicate(timeout=timeout) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for p, (out, err) in zip(procs, outs):
+    assert p.returncode == 0, out[-2000:] + err[-3000:]
+  return outs

@@ -181,6 +181,14 @@ def main():
     out["batch_error"] = None
   except mesh_lib.MeshError as e:
     out["batch_error"] = str(e)
+  try:  # a training mesh that leaves 5 of 8 devices to generate
+    pipeline.make_placement("1,3,1", placement="disaggregated")
+    out["generation_mesh_error"] = None
+  except mesh_lib.MeshError as e:
+    out["generation_mesh_error"] = str(e)
+  remote = pipeline.make_placement(None, placement="disaggregated", remote_generator="remote")
+  out["remote_placement"] = dict(
+      train_mesh=dict(remote[pl.Role.ACTOR].mesh.shape), remote=remote.remote_generator)
   print("RESULT " + json.dumps(out), flush=True)
 
 

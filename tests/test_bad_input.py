@@ -250,6 +250,11 @@ def _cases(tmp_path, existing, hf=None):
       "async_disaggregated_on_one_device": (
           "train_rlhf.py", ["--placement=disaggregated", "--max_staleness=1", n],
           "--placement=disaggregated needs >= 2 devices, got 1"),
+      "disaggregated_three_processes": (
+          "train_rlhf.py", ["--placement=disaggregated", "--num_processes=3", "--process_id=0",
+                            "--coordinator_address=127.0.0.1:1", n],
+          "error: --placement=disaggregated over processes runs 2 processes (process 0 trains, "
+          "process 1 generates), got 3"),
   }
 
 
@@ -269,7 +274,7 @@ CASES = ["unknown_algo", "logdir_not_writable", "malformed_json", "invalid_utf8"
          "reward_model_without_model", "reward_model_without_data", "reward_model_with_rm_steps",
          "reward_model_not_a_reward_model",
          "model_without_data", "stage_script_existing_run", "max_staleness_negative",
-         "async_disaggregated_on_one_device"]
+         "async_disaggregated_on_one_device", "disaggregated_three_processes"]
 
 
 def n_logdir(tmp_path) -> str:

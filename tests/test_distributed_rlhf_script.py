@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 import pytest
-from _multiprocess import free_port, subprocess_env
+from _multiprocess import free_port, subprocess_env, wait_all
 
 from rljax.alignment import checkpointing
 
@@ -30,18 +30,6 @@ TOL = 1e-5  # the 2-process gradient is an all-reduce of 2 halves: equal up to f
 pytestmark = pytest.mark.slow
 
 
-def _wait(procs, timeout=600):
-  try:
-    outs = [p.communicate(timeout=timeout) for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  for p, (out, err) in zip(procs, outs):
-    assert p.returncode == 0, out[-2000:] + err[-3000:]
-  return outs
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   root = tmp_path_factory.mktemp("dist_rlhf")
@@ -53,7 +41,7 @@ def runs(tmp_path_factory):
                   "--num_processes=2", f"--process_id={i}", "--heartbeat_timeout_s=30"])
            for i in range(2)]
   procs.append(spawn([f"--logdir={one}"]))
-  outs = _wait(procs)
+  outs = wait_all(procs)
   _STDOUTS[:] = [out for out, _ in outs[:2]]  # processes 0 and 1 of the 2-process run
   return two, one, str(root)
 

@@ -3,6 +3,7 @@ template, and a 2-node emulation. Skips with a reason when the cluster cannot be
 no apt/slurm). In CI `.ci/run` starts it first (SLURM_CONF exported) and these tests reuse it.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -70,6 +71,23 @@ def _preempt_and_requeue(env, tmp_path):
     _run(["scancel", job], env)
 
 
+def _disaggregated_rlhf(env, tmp_path):
+  """``srun -n2`` of train_rlhf.py --placement=disaggregated: task 0 trains, task 1 generates
+  (the coordinator and the ranks from SLURM), asynchronously."""
+  logdir = tmp_path / "rlhf"
+  r = _run(["srun", "-N1", "-n2", "--overcommit", sys.executable,
+            os.path.join(ROOT, "experiments", "train_rlhf.py"), "--placement=disaggregated",
+            "--max_staleness=1", "--pretrain_steps=0", "--sft_steps=0", "--num_eval_prompts=0",
+            "--num_steps=2", "--prompts_per_step=4", f"--logdir={logdir}"],
+           dict(env, JAX_PLATFORMS="cpu"), timeout=240)
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+  assert "generator: 2 batches sampled; the trainer finished" in r.stdout, r.stdout[-2000:]
+  assert r.stdout.count("embedded ppo: mean reward") == 1, r.stdout[-2000:]
+  lags = [rec["rollout/policy_lag_max"] for rec in map(json.loads, open(logdir / "metrics.jsonl"))
+          if rec.get("stage") == "rl"]
+  assert lags == [0.0, 1.0], lags
+
+
 def _results(out):
   return sorted(l.split() for l in out.splitlines() if l.startswith("RESULT "))
 
@@ -102,6 +120,7 @@ def test_slurm_srun_sbatch_and_two_nodes(can_run, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr + text[-3000:]
     assert len(_results(text)) == 2, text[-3000:]
     _preempt_and_requeue(env, tmp_path)
+    _disaggregated_rlhf(env, tmp_path)
   finally:
     _run(["bash", DOWN], dict(env, SLURM_DIR=SLURM_DIR))
   env = _up(2)
@@ -112,4 +131,4 @@ def test_slurm_srun_sbatch_and_two_nodes(can_run, tmp_path):
     assert [x[1:4] for x in res] == [["0", "2", "2"], ["1", "2", "2"]], r.stdout
   finally:
     _run(["bash", DOWN], dict(env, SLURM_DIR=SLURM_DIR))
-  assert time.time() - t0 < 180
+  assert time.time() - t0 < 360

@@ -23,11 +23,14 @@ SCRIPT = os.path.join(REPO, "experiments", "train_rlhf.py")
 
 # The embedded default (addition task, tiny Llama-style LM, PPO with a critic) with no
 # pre-training/SFT and no accuracy evaluation: 6 RL steps of 8 prompts, a checkpoint after
-# every step.
+# every step, asynchronous (--max_staleness=1: a batch is always in flight on the generator
+# thread when a checkpoint is written or the process is killed, so resume must regenerate it
+# from the weights the checkpoint holds). The synchronous trainer's SIGKILL resume is tested
+# on the preference pipeline (tests/test_rlhf_preference_resume.py).
 LAST_STEP = 6
 FLAGS = ["--pretrain_steps=0", "--sft_steps=0", "--num_eval_prompts=0",
          f"--num_steps={LAST_STEP}", "--prompts_per_step=8", "--checkpoint_every=1",
-         "--keep_checkpoints=10"]
+         "--keep_checkpoints=10", "--max_staleness=1"]
 
 
 def _cmd(logdir, cache):
@@ -55,6 +58,7 @@ def _final_items(logdir):
   step, policy, train = checkpointing.load_state_items(logdir, step=LAST_STEP)
   assert step == LAST_STEP
   assert any(k.startswith("['critic']") for k in train) and "key" in train
+  assert any("lagged_actor" in k for k in train)  # the in-flight batch's generating weights
   return policy, train
 
 

@@ -119,3 +119,18 @@ def test_async_disaggregated_matches_sync_with_frozen_weights(result):
   bad = {k: v for k, v in r["metric_diff"].items() if not v < 1e-5}
   assert not bad, bad
   assert r["lags"] == [0.0, 1.0, 1.0]
+
+
+@pytest.mark.slow
+def test_disaggregated_generation_mesh_must_divide_the_devices(result):
+  assert result["generation_mesh_error"] == (
+      "--placement=disaggregated: the training mesh of 3 devices leaves 5 of the 8 devices to "
+      "generate; the generation mesh must divide the 8 devices (leave 1, 2, 4)")
+
+
+@pytest.mark.slow
+def test_with_a_generator_process_every_device_here_trains(result):
+  # Generation runs on the other process (rljax.alignment.remote_generation): the trainer's
+  # default mesh takes all of its devices on fsdp.
+  assert result["remote_placement"] == dict(
+      train_mesh={"data": 1, "fsdp": 8, "tensor": 1}, remote="remote")

@@ -264,6 +264,39 @@ class StageFlags:
     return pipeline.make_placement(self.mesh.mesh.value, self.mesh.sharding_rules.value,
                                    placement, offload_frozen=offload_frozen)
 
+  def start_disaggregated(self, *, offload_frozen: bool = False):
+    """``--placement=disaggregated`` over 2 processes: joins the trainer (process 0) and the
+    generator (process 1) by `rljax.sharding.link` instead of ``jax.distributed.initialize``.
+
+    Returns:
+      ``(link, placement)``: on the trainer, the placement of ``--mesh`` over its own devices
+      with a `rljax.alignment.remote_generation.RemoteSampler`; on the generator
+      ``(link, None)`` (it then runs `rljax.alignment.remote_generation.serve`). ``None`` when
+      the process flags describe a single process (then use `start`).
+
+    Raises:
+      ValueError: more than 2 processes, or a bad ``--sharding_rules``.
+      rljax.sharding.mesh.MeshError: a ``--mesh`` that does not fit the trainer's devices.
+    """
+    from rljax.alignment import pipeline, remote_generation
+    from rljax.sharding import link as link_lib
+
+    config = distributed.config_from_flags()
+    n = distributed.num_processes_of(config)
+    if n == 1:
+      return None
+    if n != 2:
+      raise ValueError(f"--placement=disaggregated over processes runs 2 processes (process 0 "
+                       f"trains, process 1 generates), got {n}")
+    link = link_lib.connect(config, peer_names=remote_generation.PEER_NAMES,
+                            peer_timeout_s=config.heartbeat_timeout_s or 10)
+    if link.process_id == 1:
+      return link, None
+    remote = remote_generation.RemoteSampler(link)
+    return link, pipeline.make_placement(
+        self.mesh.mesh.value, self.mesh.sharding_rules.value, "disaggregated",
+        offload_frozen=offload_frozen, remote_generator=remote)
+
   def checkpoint_kwargs(self) -> dict[str, Any]:
     """``resume`` and ``stage_checkpoint_every`` for ``rljax.alignment.pipeline.run_embedded``
     / ``run_preference``, from ``--resume`` and ``--stage_checkpoint_every``.

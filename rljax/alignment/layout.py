@@ -85,7 +85,7 @@ PLACEMENTS = ("colocated", "disaggregated")
 
 def make_placement(mesh: str | None = None, sharding_rules: str = "fsdp",
                    placement: str = "colocated", *, offload_frozen: bool = False,
-                   ) -> placement_lib.Placement | None:
+                   remote_generator=None) -> placement_lib.Placement | None:
   """The RLHF :class:`~rljax.sharding.placement.Placement` the scripts' flags describe.
 
   Args:
@@ -100,6 +100,9 @@ def make_placement(mesh: str | None = None, sharding_rules: str = "fsdp",
     placement: ``colocated`` (all roles on one mesh) or ``disaggregated``.
     offload_frozen: keep the frozen roles (REFERENCE, REWARD) in host memory (``pinned_host``)
       between uses (:func:`rljax.sharding.placement.offload`; on CPU the same RAM).
+    remote_generator: with ``disaggregated``, a sampler on another process
+      (`rljax.alignment.remote_generation.RemoteSampler`): every device of this process
+      trains (``mesh``, default all on ``fsdp``) and the actor generates there.
 
   Returns:
     ``None`` for a colocated run on one device without ``mesh`` or offload (the plain
@@ -115,6 +118,13 @@ def make_placement(mesh: str | None = None, sharding_rules: str = "fsdp",
     raise ValueError(f"--placement must be one of {list(PLACEMENTS)}, got {placement!r}")
   cfg = mesh_lib.parse_mesh_flag(mesh)
   n = jax.device_count()
+  if remote_generator is not None:  # generation on another process: all devices here train
+    if placement != "disaggregated":
+      raise ValueError(f"a remote generator needs --placement=disaggregated, got {placement!r}")
+    train = mesh_lib.make_mesh(cfg if mesh is not None else mesh_lib.MeshConfig(data=1, fsdp=n))
+    base = placement_lib.Placement.colocated(train, train_preset=preset,
+                                             offload_frozen=offload_frozen)
+    return dataclasses.replace(base, remote_generator=remote_generator)
   if placement == "colocated":
     if mesh is None and n == 1 and not offload_frozen:
       return None
@@ -134,6 +144,12 @@ def make_placement(mesh: str | None = None, sharding_rules: str = "fsdp",
     raise mesh_lib.MeshError(
         f"--placement=disaggregated: the training mesh data={cfg.data} x fsdp={cfg.fsdp} x "
         f"tensor={cfg.tensor} = {num_train} devices leaves none of the {n} devices for generation")
+  if n % (n - num_train):
+    divisors = [d for d in range(1, n) if n % d == 0]
+    raise mesh_lib.MeshError(
+        f"--placement=disaggregated: the training mesh of {num_train} devices leaves "
+        f"{n - num_train} of the {n} devices to generate; the generation mesh must divide the "
+        f"{n} devices (leave {', '.join(map(str, divisors))})")
   return placement_lib.Placement.disaggregated_split(num_generate=n - num_train, train_mesh=cfg,
                                                      train_preset=preset,
                                                      offload_frozen=offload_frozen)

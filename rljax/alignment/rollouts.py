@@ -153,6 +153,8 @@ class Generator:
     t = time.perf_counter()
     try:
       rollout = future.result()
+    except GeneratorError:  # already names the generator and the step (a remote generator)
+      raise
     except Exception as e:
       raise GeneratorError(f"the generator failed on the batch of RL step {index + 1}: "
                            f"{type(e).__name__}: {e}") from e
