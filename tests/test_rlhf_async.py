@@ -1,11 +1,8 @@
 """Asynchronous RLHF (RLHFConfig.max_staleness; rljax/alignment/rollouts.py): the staleness
 bound, equality with the synchronous trainer where the weights do not move, the decoupled
-objective's weights and gradient, exact resume, generator faults and the script's outputs."""
-
-import json
-import os
-import subprocess
-import sys
+objective's weights and gradient, generator faults and bad settings. The script's asynchronous
+outputs and its exact resume after SIGKILL and SIGTERM: tests/test_rlhf_reliability.py; two
+processes: tests/test_rlhf_two_process.py."""
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +16,6 @@ from rljax.envs.text import arithmetic
 
 from test_rlhf import _trainer
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A learning rate under f32 resolution: Adam's steps (~lr) leave every weight as it was, so
 # every policy version is the same policy.
 FROZEN = dict(actor_lr=1e-30, critic_lr=1e-30)
@@ -122,38 +118,6 @@ def test_no_sample_exceeds_the_staleness_bound_and_runs_repeat():
 
 
 @pytest.mark.slow
-def test_async_resume_after_a_crash_equals_uninterrupted(tmp_path):
-  # A crash after step 3 (the last checkpoint: step 2) and a fresh trainer resuming from the
-  # logdir give the uninterrupted asynchronous run's records and weights bit for bit: the
-  # checkpoint holds the weights that generate the in-flight batch.
-  def run(logdir, crash_at=None):
-    tr = _trainer(algo="ppo", max_staleness=1, num_steps=5)
-
-    def callback(rec):
-      if rec["step"] == crash_at:
-        raise KeyboardInterrupt  # not an Exception: nothing saves on the way out
-    try:
-      hist, resumed = checkpointing.train(tr, str(logdir), checkpoint_every=2, callback=callback,
-                                          log=lambda *_: None)
-    except KeyboardInterrupt:
-      return None
-    return tr, hist, resumed
-
-  tr_a, hist_a, _ = run(tmp_path / "a")
-  assert run(tmp_path / "b", crash_at=3) is None
-  step, _, train = checkpointing.load_state_items(str(tmp_path / "b"))
-  assert step == 2 and any("lagged_actor" in k for k in train)
-  tr_b, hist_b, resumed = run(tmp_path / "b")
-  assert resumed == 2
-  for x, y in zip(hist_a[2:], hist_b):
-    assert _values(x) == _values(y)
-    assert x["rollout/is_weight_mean"] == y["rollout/is_weight_mean"]
-  same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), tr_a.state.ppo_state.params,
-                      tr_b.state.ppo_state.params)
-  assert all(jax.tree.leaves(same))
-
-
-@pytest.mark.slow
 def test_generator_failure_stops_the_trainer_naming_the_step(tmp_path):
   calls = []
 
@@ -180,21 +144,3 @@ def test_config_rejects_bad_staleness():
   with pytest.raises(ValueError, match="reuse_rollout_log_probs needs max_staleness=0"):
     rlhf.RLHFConfig(max_staleness=1, reuse_rollout_log_probs=True,
                     ppo=ppo.PPOConfig(num_epochs=1, num_minibatches=1))
-
-
-@pytest.mark.slow
-def test_script_writes_timeline_and_policy_lag(tmp_path):
-  logdir = tmp_path / "run"
-  out = subprocess.run(
-      [sys.executable, os.path.join(REPO, "experiments", "train_rlhf.py"), "--max_staleness=1",
-       f"--logdir={logdir}", "--pretrain_steps=0", "--sft_steps=0", "--num_eval_prompts=0",
-       "--num_steps=3", "--prompts_per_step=8", "--nocompilation_cache"],
-      capture_output=True, text=True, timeout=300)
-  assert out.returncode == 0, out.stderr[-3000:]
-  with open(logdir / "timeline.png", "rb") as f:
-    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-  records = [json.loads(line) for line in open(logdir / "metrics.jsonl")]
-  lags = [r["rollout/policy_lag_max"] for r in records if "reward/mean" in r]
-  assert lags == [0.0, 1.0, 1.0]
-  summary = json.load(open(logdir / "summary.json"))
-  assert 0 <= summary["overlap_fraction"] <= 1 and summary["step_generation_s"] > 0

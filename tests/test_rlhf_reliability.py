@@ -87,6 +87,21 @@ def _wait_for_checkpoint(logdir, step, proc, timeout=300):
 
 
 @pytest.mark.slow
+def test_asynchronous_run_writes_timeline_policy_lag_and_overlap(reference_run):
+  """``train_rlhf.py --max_staleness=1 --logdir=D``: D/timeline.png, a per-step
+  ``rollout/policy_lag_max`` in D/metrics.jsonl (batch 1 from the starting weights, then one
+  update old) and the overlap figures in D/summary.json."""
+  with open(os.path.join(reference_run, "timeline.png"), "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  lags = [r["rollout/policy_lag_max"]
+          for r in checkpointing.rl_history(os.path.join(reference_run, "metrics.jsonl"))]
+  assert lags == [0.0] + [1.0] * (LAST_STEP - 1)
+  summary = json.load(open(os.path.join(reference_run, "summary.json")))
+  assert 0 <= summary["overlap_fraction"] <= 1 and summary["step_generation_s"] > 0
+  assert summary["step_overlap_s"] <= summary["step_update_s"] + 1e-9
+
+
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bitwise_exact(reference_run, cache, tmp_path):
   logdir = str(tmp_path / "run")
   kill_after = random.Random().randint(1, LAST_STEP - 2)  # an arbitrary step

@@ -2,8 +2,8 @@
 with ``--num_processes=2``): process 0 trains, process 1 generates (rljax.alignment.
 remote_generation), joined on 127.0.0.1.
 
-* Asynchronous (``--max_staleness=1``) with 4 devices per process, it ends bitwise equal to
-  the one-process disaggregated run on 8 devices (training on 4, generating on 4), started
+* Asynchronous (``--max_staleness=1``) with 2 devices per process, it ends bitwise equal to
+  the one-process disaggregated run on 4 devices (training on 2, generating on 2), started
   together: the same parameters, optimizer state and metrics.
 * A generator killed mid-run stops the trainer within 20 s with an error naming the generator
   and the RL step; the last checkpoint is intact.
@@ -43,12 +43,19 @@ def _pair(args, devices: int, port: int):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def cache(tmp_path_factory):
+  """A persistent compilation cache: the fault test's processes load the programs the
+  equality run's compiled (the same settings but the step count)."""
+  return str(tmp_path_factory.mktemp("jax_cache"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, cache):
   root = tmp_path_factory.mktemp("two_process")
   two, one = str(root / "two"), str(root / "one")
-  procs = _pair([*FLAGS, f"--logdir={two}"], 4, free_port())
+  procs = _pair([*FLAGS, f"--logdir={two}", f"--compilation_cache_dir={cache}"], 2, free_port())
   procs.append(subprocess.Popen([sys.executable, SCRIPT, *FLAGS, f"--logdir={one}"], text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(8)))
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(4)))
   outs = wait_all(procs)
   return two, one, [out for out, _ in outs]
 
@@ -78,17 +85,19 @@ def test_two_processes_equal_the_one_process_disaggregated_run_bitwise(runs):
 def test_the_generator_process_samples_every_batch_and_exits_when_told(runs):
   _, _, (trainer_out, generator_out, _) = runs
   assert generator_out.splitlines() == [
-      "generator: sampling on 4 device(s) (tp over tensor=4) for the trainer at "
+      "generator: sampling on 2 device(s) (tp over tensor=2) for the trainer at "
       + generator_out.split(" for the trainer at ")[1].splitlines()[0],
       f"generator: {LAST_STEP} batches sampled; the trainer finished"]
   assert "embedded ppo: mean reward" in trainer_out
 
 
-def test_a_killed_generator_stops_the_trainer_naming_it_and_the_step(tmp_path):
+def test_a_killed_generator_stops_the_trainer_naming_it_and_the_step(runs, cache, tmp_path):
+  del runs  # it filled the compilation cache
   logdir = str(tmp_path / "run")
   flags = [f for f in FLAGS if not f.startswith("--num_steps")] + [
-      "--num_steps=1000", f"--logdir={logdir}", "--heartbeat_timeout_s=5"]
-  trainer, generator = _pair(flags, 1, free_port())
+      "--num_steps=1000", f"--logdir={logdir}", "--heartbeat_timeout_s=5",
+      f"--compilation_cache_dir={cache}"]
+  trainer, generator = _pair(flags, 2, free_port())
   try:
     path = os.path.join(logdir, "checkpoints", "2")
     t0 = time.time()
