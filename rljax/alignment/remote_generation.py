@@ -34,7 +34,6 @@ import json
 import pickle
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import numpy as np
