@@ -195,6 +195,22 @@ def with_ppo_flags(rl):
   return dataclasses.replace(rl, ppo=dataclasses.replace(rl.ppo, **changes))
 
 
+def serve_generator(link) -> int:
+  """Process 1 of a two-process disaggregated run: samples for the trainer until it is done
+  (status 0); a trainer that stops or fails ends it with one line and status 1."""
+  from rljax.alignment import remote_generation
+  from rljax.sharding.link import LinkError
+
+  try:
+    remote_generation.serve(link)
+  except LinkError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  finally:
+    link.close()
+  return 0
+
+
 def main(argv):
   del argv
   runtime.configure_logging(_F.verbose.value)
@@ -207,18 +223,7 @@ def main(argv):
     if pair is not None:
       link, placement = pair
       if placement is None:
-        from rljax.alignment import remote_generation
-
-        from rljax.sharding.link import LinkError
-
-        try:
-          remote_generation.serve(link)
-        except LinkError as e:  # the trainer stopped or failed: one line, status 1
-          print(f"error: {e}", file=sys.stderr)
-          return 1
-        finally:
-          link.close()
-        return 0
+        return serve_generator(link)
       try:
         return train(placement)
       finally:
