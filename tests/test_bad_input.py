@@ -328,7 +328,10 @@ def bad_input_results(tmp_path_factory):
   file lock in the workers' shared temporary folder; the others read its JSON."""
   from filelock import FileLock
 
-  shared = tmp_path_factory.getbasetemp().parent
+  # Under xdist each worker's basetemp is a folder of the session's; without it, basetemp is
+  # the session's own (its parent holds earlier sessions' folders, whose results are stale).
+  base = tmp_path_factory.getbasetemp()
+  shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
   path = shared / "bad_input_results.json"
   with FileLock(str(path) + ".lock"):
     if not path.exists():
