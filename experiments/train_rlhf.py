@@ -66,8 +66,16 @@ _ALGO = flags.DEFINE_string("algo", "ppo", f"RL algorithm: one of {', '.join(_AL
 _KL = flags.DEFINE_float("kl_coef", None, "Initial KL coefficient beta.")
 _KL_EST = flags.DEFINE_enum("kl_estimator", None, ["k1", "k2", "k3"], "Per-token KL estimator.")
 _KL_IN = flags.DEFINE_enum("kl_placement", None, ["reward", "loss"], "KL in the reward or the loss.")
-_ADAPTIVE = flags.DEFINE_bool("adaptive_kl", None, "Ziegler et al.'s adaptive KL controller.")
-_KL_TARGET = flags.DEFINE_float("kl_target", None, "Adaptive controller's target KL (nats).")
+_KL_CONTROLLER = flags.DEFINE_enum(
+    "kl_controller", None, ["fixed", "adaptive", "pi"], "What sets beta after each step: fixed, "
+    "adaptive (Ziegler et al.) or pi (a proportional-integral controller that holds "
+    "--kl_target). Default: pi when --kl_target is given, else the pipeline's (embedded: "
+    "fixed; --preference_data: adaptive).")
+_ADAPTIVE = flags.DEFINE_bool("adaptive_kl", None, "Old spelling of --kl_controller=adaptive "
+                              "(--noadaptive_kl: --kl_controller=fixed).")
+_KL_TARGET = flags.DEFINE_float(
+    "kl_target", None, "Target KL in nats per response of the adaptive and pi controllers "
+    "(given alone, it selects --kl_controller=pi).")
 _KL_HORIZON = flags.DEFINE_integer("kl_horizon", None,
                                    "Adaptive controller's horizon (samples; Ziegler et al.: 10000).")
 _ACTOR_LR = flags.DEFINE_float("actor_lr", None, "Actor (policy) Adam learning rate.")
@@ -114,6 +122,14 @@ _STALENESS = flags.DEFINE_integer(
     "max_staleness", None, "Asynchronous RLHF: 0 (default) generates and trains in turn; s > 0 "
     "generates the next batches on a generator thread with weights at most s updates old while "
     "the update runs (1: one-step off-policy), corrected by the decoupled PPO objective.")
+# A reward program and its prompts (rljax.alignment.reward_functions), on the embedded model.
+_REWARD_FN = flags.DEFINE_string(
+    "reward_fn", None, "package.module:function (or file.py:function) scoring the responses: "
+    "fn(responses: list[str], **columns) -> list[float], given the --prompts file's other "
+    "columns one list each (e.g. rewards.math_answers:exact_match). Embedded model only.")
+_PROMPTS = flags.DEFINE_string(
+    "prompts", None, "JSONL(.gz) prompt file for RL: a 'prompt' field per line plus any columns "
+    "--reward_fn reads (e.g. 'answer'). Embedded model only: characters '0123456789+= '.")
 _IS_CAP = flags.DEFINE_float(
     "behaviour_weight_cap", None, "Asynchronous RLHF: truncation of the importance weight "
     "pi_prox / pi_behav (>= 1; default 5).")
@@ -125,8 +141,11 @@ def rl_overrides() -> dict:
   steps = _F.checked_num_steps()
   if steps is not None:
     out["num_steps"] = steps
+  controller = kl_controller_override()
+  if controller is not None:
+    out["kl_controller"] = controller
   for key, flag in (("kl_coef", _KL), ("kl_estimator", _KL_EST),
-                    ("kl_placement", _KL_IN), ("adaptive_kl", _ADAPTIVE), ("kl_target", _KL_TARGET),
+                    ("kl_placement", _KL_IN), ("kl_target", _KL_TARGET),
                     ("overlong_buffer", _OVERLONG), ("kl_horizon", _KL_HORIZON),
                     ("actor_lr", _ACTOR_LR), ("critic_lr", _CRITIC_LR), ("nonfinite", _NONFINITE),
                     ("compute_dtype", _COMPUTE_DTYPE), ("max_staleness", _STALENESS),
@@ -134,6 +153,24 @@ def rl_overrides() -> dict:
     if flag.value is not None:
       out[key] = flag.value
   return out
+
+
+def kl_controller_override() -> str | None:
+  """``--kl_controller`` (or its old spelling ``--[no]adaptive_kl``); ``pi`` where only
+  ``--kl_target`` is given; None: the pipeline's default.
+
+  Raises:
+    ValueError: ``--kl_controller`` and ``--[no]adaptive_kl`` together.
+  """
+  if _ADAPTIVE.value is not None:
+    old = "adaptive" if _ADAPTIVE.value else "fixed"
+    if _KL_CONTROLLER.value is not None:
+      raise ValueError(f"--{'' if _ADAPTIVE.value else 'no'}adaptive_kl is the old spelling of "
+                       f"--kl_controller={old}; give only --kl_controller={_KL_CONTROLLER.value}")
+    return old
+  if _KL_CONTROLLER.value is not None:
+    return _KL_CONTROLLER.value
+  return "pi" if _KL_TARGET.value is not None else None
 
 
 def check_algo(name: str) -> str:
@@ -181,6 +218,19 @@ def stage_overrides(preference_data: str | None) -> dict:
   if preference_data is not None:
     out["reward_model"] = _REWARD_MODEL.value
   return {k: v for k, v in out.items() if v is not None}
+
+
+def reward_program_overrides() -> dict:
+  """``EmbeddedConfig`` fields of ``--reward_fn`` and ``--prompts`` (the file made absolute,
+  so that a resumed run from another folder reads the same one)."""
+  out = {}
+  if _REWARD_FN.value is not None:
+    out["reward_fn"] = _REWARD_FN.value
+  if _PROMPTS.value is not None:
+    if not os.path.isfile(_PROMPTS.value):
+      raise FileNotFoundError(f"--prompts {_PROMPTS.value!r} does not exist")
+    out["prompts"] = os.path.abspath(_PROMPTS.value)
+  return out
 
 
 def with_ppo_flags(rl):
@@ -249,8 +299,14 @@ def main(argv):
       rl = pipeline.default_rl_config(_ALGO.value, **overrides)
       rl = with_ppo_flags(rl)
       config = _F.with_pretrain_steps(
-          pipeline.EmbeddedConfig(rl=rl, seed=_F.seed.value, **stage_overrides(data)))
+          pipeline.EmbeddedConfig(rl=rl, seed=_F.seed.value, **stage_overrides(data),
+                                  **reward_program_overrides()))
+      pipeline.check_rl_task(config)  # the prompt file and the function, before compiling
     else:
+      for flag in (_REWARD_FN, _PROMPTS):
+        if flag.value is not None:
+          raise ValueError(f"--{flag.name} applies to the embedded model only (without "
+                           f"--preference_data, whose RL stage is scored by its reward model)")
       if not os.path.exists(data):
         raise FileNotFoundError(f"--preference_data {data!r} does not exist")
       base = _F.data.base_config()  # with --model: its pretrained learning rates

@@ -28,10 +28,12 @@ Two uses, which differ in what must be unbiased:
 Layout: all estimators take ``[B, T]`` (or any equal shapes) f32 log-probs and return the same
 shape; reduce with a mask yourself (``rljax.ppo.masked_mean``).
 
-The KL controllers are ``(init, update)`` pairs with a :class:`KLControllerState` NamedTuple,
-like optax transformations: :func:`fixed_kl_controller` and :func:`adaptive_kl_controller`
+The KL controllers are ``(init, update)`` pairs with a NamedTuple state holding ``kl_coef``,
+like optax transformations: :func:`fixed_kl_controller`, :func:`adaptive_kl_controller`
 (Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences",
-arXiv:1909.08593, Sec. 2.2).
+arXiv:1909.08593, Sec. 2.2) and :func:`pi_kl_controller`, a proportional-integral controller
+on ``log(KL / target)`` that holds its target. `KLControl` names them and
+`make_kl_controller` builds one by name.
 """
 
 from __future__ import annotations
@@ -195,3 +197,103 @@ def adaptive_kl_controller(init_kl_coef: float, *, target: float, horizon: int) 
     return KLControllerState(state.kl_coef * mult)
 
   return KLController(init, update)
+
+
+class PIKLControllerState(NamedTuple):
+  """State of :func:`pi_kl_controller`: the coefficient ``beta`` and the integral of the
+  clipped log-errors (both f32 scalars)."""
+
+  kl_coef: Array
+  integral: Array
+
+
+def pi_kl_controller(init_kl_coef: float, *, target: float, kp: float = 0.5, ki: float = 0.2,
+                     max_error: float = 1.0,
+                     integral_range: tuple[float, float] = (-2.0, 10.0)) -> KLController:
+  r"""A proportional-integral (PI) controller on ``log beta`` that holds ``KL`` at ``target``.
+
+  ::
+
+      e_t      = clip(log(KL_t / target), -max_error, max_error)
+      I_t      = clip(I_{t-1} + e_t, *integral_range)      (I_0 = 0)
+      beta_t+1 = init_kl_coef * exp(kp * e_t + ki * I_t)
+
+  The integral term drives the steady-state error to zero (a constant KL above the target keeps
+  raising ``beta`` until the KL falls to it); the proportional term reacts at once to a jump, so
+  the KL does not overshoot for the many steps a pure integral controller needs. Ziegler et
+  al.'s rule (:func:`adaptive_kl_controller`) is a pure integral controller of gain
+  ``n / horizon`` with its error clipped to +-0.2: at ``n / horizon = 0.05`` it changes
+  ``beta`` by at most 1% a step, too slowly to hold a target over a few hundred steps. The
+  penalty coefficient as a PI(D)-controlled Lagrange multiplier follows Stooke, Achiam &
+  Abbeel 2020, "Responsive Safety in Reinforcement Learning by PID Lagrangian Methods",
+  arXiv:2007.03964; it works on ``log beta`` and ``log KL`` here, so that the gains do not
+  depend on the scale of either. The log-error is clipped to ``+-max_error`` so that one
+  extreme batch (or ``KL <= 0``, read as the lower clip) cannot move ``beta`` by more than
+  ``exp((kp + ki) * max_error)`` in a step. The integral is clamped (anti-windup): a run
+  starts at the reference, with a KL far below any target, and an unclamped integral would
+  pile up those first steps' errors and let the KL overshoot for as many steps as it takes to
+  unwind them. The default range lets ``beta`` fall to ``exp(-0.4) = 0.67`` of its start by the
+  integral (a KL below the target needs no urgent correction) and rise to ``exp(2) = 7.4``
+  times it.
+
+  Args:
+    init_kl_coef: starting ``beta`` (> 0: the controller works on its logarithm).
+    target: target KL in nats per sequence (> 0).
+    kp, ki: proportional and integral gains (>= 0, not both 0).
+    max_error: clip of the log-error (> 0).
+    integral_range: ``(low, high)`` clamp of the integral, ``low <= 0 <= high``.
+
+  Raises:
+    ValueError: naming the bad argument.
+  """
+  if not init_kl_coef > 0:
+    raise ValueError(f"init_kl_coef must be > 0 for the PI controller (it scales log beta), "
+                     f"got {init_kl_coef}.")
+  if not target > 0:
+    raise ValueError(f"target must be > 0, got {target}.")
+  if not (kp >= 0 and ki >= 0 and kp + ki > 0):
+    raise ValueError(f"kp and ki must be >= 0 and not both 0, got kp={kp}, ki={ki}.")
+  if not max_error > 0:
+    raise ValueError(f"max_error must be > 0, got {max_error}.")
+  low, high = integral_range
+  if not low <= 0 <= high:
+    raise ValueError(f"integral_range must satisfy low <= 0 <= high, got {integral_range}.")
+
+  def init():
+    return PIKLControllerState(jnp.asarray(init_kl_coef, jnp.float32),
+                               jnp.zeros((), jnp.float32))
+
+  def update(state, current_kl, num_steps):
+    del num_steps
+    kl = jnp.asarray(current_kl, jnp.float32)
+    log_error = jnp.log(jnp.maximum(kl, 1e-30) / target)
+    error = jnp.clip(jnp.where(jnp.isnan(log_error), 0.0, log_error), -max_error, max_error)
+    integral = jnp.clip(state.integral + error, low, high)
+    kl_coef = init_kl_coef * jnp.exp(kp * error + ki * integral)
+    return PIKLControllerState(kl_coef.astype(jnp.float32), integral)
+
+  return KLController(init, update)
+
+
+class KLControl(enum.Enum):
+  """Which controller sets ``beta`` (`rljax.alignment.rlhf_config.RLHFConfig.kl_controller`)."""
+
+  FIXED = "fixed"        # fixed_kl_controller
+  ADAPTIVE = "adaptive"  # adaptive_kl_controller (Ziegler et al. 2019)
+  PI = "pi"              # pi_kl_controller
+
+
+def make_kl_controller(kind: KLControl | str, kl_coef: float, *, target: float,
+                       horizon: int) -> KLController:
+  """The controller ``kind`` (`KLControl` or its value) started at ``kl_coef``; ``target``
+  (nats per sequence) is used by ``adaptive`` and ``pi``, ``horizon`` (samples) by ``adaptive``.
+
+  Raises:
+    ValueError: an unknown ``kind``, or the controller's own argument errors.
+  """
+  kind = KLControl(kind)
+  if kind is KLControl.ADAPTIVE:
+    return adaptive_kl_controller(kl_coef, target=target, horizon=horizon)
+  if kind is KLControl.PI:
+    return pi_kl_controller(kl_coef, target=target)
+  return fixed_kl_controller(kl_coef)

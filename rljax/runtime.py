@@ -21,16 +21,32 @@ DEFAULT_CACHE_DIR = os.path.join(
 )
 
 
+MIN_COMPILE_TIME_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
+
+
 def enable_compilation_cache(path: str | None = None) -> str:
   """Turns on JAX's persistent compilation cache in ``path`` (a user cache directory).
 
   A second run of the same configuration then loads its compiled programs from disk
-  instead of compiling them again. Returns the directory used.
+  instead of compiling them again. Programs that compiled in under 1 s are not stored, unless
+  ``$JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` (JAX's own setting) names another
+  threshold in seconds: 0 stores every program, which pays where the same small programs are
+  built by many short processes (a test suite). Returns the directory used.
+
+  Raises:
+    ValueError: that variable is not a number >= 0.
   """
   path = path or os.environ.get("RLJAX_COMPILATION_CACHE", DEFAULT_CACHE_DIR)
+  raw = os.environ.get(MIN_COMPILE_TIME_ENV, "1.0")
+  try:
+    min_secs = float(raw)
+  except ValueError:
+    min_secs = -1.0
+  if not min_secs >= 0:
+    raise ValueError(f"${MIN_COMPILE_TIME_ENV}={raw!r} must be a number of seconds >= 0")
   os.makedirs(path, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir", path)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", min_secs)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   return path
 

@@ -23,6 +23,7 @@ from rljax.alignment import pipeline
 from rljax.envs.text import data
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MATH_REWARDS = os.path.join(REPO, "experiments", "rewards", "math_answers.py")
 GOOD = [json.dumps({"prompt": f"Question number {i} about things?", "chosen": "Yes, sure.",
                     "rejected": "No."}) for i in range(8)]
 
@@ -103,6 +104,8 @@ def _cases(tmp_path, existing, hf=None):
                        [json.dumps({"prompt": "Q?", "chosen": "A"})])
   empty = _write(tmp_path / "empty.jsonl", ["", "  "])
   good = _write(tmp_path / "good.jsonl", GOOD)
+  letters = _write(tmp_path / "letters.jsonl", [json.dumps({"prompt": "1+2="}),
+                                                json.dumps({"prompt": "what is 2+2?"})])
   tok_dir = str(tmp_path / "tok")
   data.save_tokenizer(data.train_bpe_tokenizer([l for l in GOOD] * 4, vocab_size=300), tok_dir)
   blocker = tmp_path / "a_file"
@@ -250,6 +253,31 @@ def _cases(tmp_path, existing, hf=None):
       "async_disaggregated_on_one_device": (
           "train_rlhf.py", ["--placement=disaggregated", "--max_staleness=1", n],
           "--placement=disaggregated needs >= 2 devices, got 1"),
+      # Reward programs and prompt files: loaded before anything compiles.
+      "reward_fn_without_colon": ("train_rlhf.py", [f"--reward_fn={MATH_REWARDS}", n],
+                                  "error: --reward_fn '" + MATH_REWARDS + "': expected "
+                                  "package.module:function or path/to/file.py:function"),
+      "reward_fn_unknown_module": ("train_rlhf.py", ["--reward_fn=no_such_module_xyz:fn", n],
+                                   "error: --reward_fn 'no_such_module_xyz:fn': cannot import "
+                                   "'no_such_module_xyz': ModuleNotFoundError"),
+      "reward_fn_unknown_function": ("train_rlhf.py", [f"--reward_fn={MATH_REWARDS}:nope", n],
+                                     "has no 'nope'"),
+      "prompts_missing_file": ("train_rlhf.py", ["--prompts=nope.jsonl", n],
+                               "error: --prompts 'nope.jsonl' does not exist"),
+      "prompts_outside_the_alphabet": (
+          "train_rlhf.py", [f"--prompts={letters}", n],
+          f"error: {letters}: prompt 2 ('what is 2+2?'): CharTokenizer: character 'w' is not in "
+          f"'0123456789+= '; the embedded model reads additions only"),
+      "reward_fn_with_preference_data": (
+          "train_rlhf.py", [f"--preference_data={good}", f"--reward_fn={MATH_REWARDS}:exact_match",
+                            n], "error: --reward_fn applies to the embedded model only"),
+      "kl_controller_and_old_spelling": (
+          "train_rlhf.py", ["--kl_controller=pi", "--noadaptive_kl", n],
+          "error: --noadaptive_kl is the old spelling of --kl_controller=fixed; give only "
+          "--kl_controller=pi"),
+      "pi_controller_without_kl_coef": (
+          "train_rlhf.py", ["--kl_target=2", "--kl_coef=0", n],
+          "error: kl_controller='pi' needs kl_coef > 0"),
       "disaggregated_three_processes": (
           "train_rlhf.py", ["--placement=disaggregated", "--num_processes=3", "--process_id=0",
                             "--coordinator_address=127.0.0.1:1", n],
@@ -274,7 +302,10 @@ CASES = ["unknown_algo", "logdir_not_writable", "malformed_json", "invalid_utf8"
          "reward_model_without_model", "reward_model_without_data", "reward_model_with_rm_steps",
          "reward_model_not_a_reward_model",
          "model_without_data", "stage_script_existing_run", "max_staleness_negative",
-         "async_disaggregated_on_one_device", "disaggregated_three_processes"]
+         "async_disaggregated_on_one_device", "disaggregated_three_processes",
+         "reward_fn_without_colon", "reward_fn_unknown_module", "reward_fn_unknown_function",
+         "prompts_missing_file", "prompts_outside_the_alphabet", "reward_fn_with_preference_data",
+         "kl_controller_and_old_spelling", "pi_controller_without_kl_coef"]
 
 
 def n_logdir(tmp_path) -> str:

@@ -1,5 +1,6 @@
 """Old command-line spellings and old saved configs: rewritten with a note, read as before."""
 
+import dataclasses
 import io
 import json
 import os
@@ -35,6 +36,32 @@ def test_preference_config_saved_with_lr_reads_as_pretrain_lr():
       "pretrain_lr": 2e-3, "seed": 0}
   today = {"pretrain_lr": 1e-5, "seed": 1}
   assert pipeline_config.upgrade_saved_config(today) == today
+
+
+def test_rl_config_saved_with_adaptive_kl_reads_as_kl_controller(tmp_path):
+  assert pipeline_config.upgrade_saved_config({"rl": {"adaptive_kl": True, "kl_coef": 0.1}}) == {
+      "rl": {"kl_controller": "adaptive", "kl_coef": 0.1}}
+  assert pipeline_config.upgrade_saved_config({"rl": {"adaptive_kl": False}}) == {
+      "rl": {"kl_controller": "fixed"}}
+  # A preference run saved before the change (adaptive_kl true, its default) resumes as the
+  # same run; the same run asking for the PI controller is refused by name.
+  from rljax.alignment import pipeline
+
+  config = pipeline.PreferenceConfig()
+  run = pipeline.saved_run(config, "data.jsonl")
+  old = json.loads(json.dumps(run.config_json))
+  old["rl"]["adaptive_kl"] = old["rl"].pop("kl_controller") == "adaptive"
+  assert old["rl"]["adaptive_kl"] is True
+  os.makedirs(os.path.join(ckpt.checkpoint_dir(str(tmp_path)), "1"))
+  ckpt.write_json_atomic(os.path.join(ckpt.checkpoint_dir(str(tmp_path)), ckpt.CONFIG_FILE),
+                         {run.section: old})
+  ckpt.check_same_config(str(tmp_path), run.section, run.config_json, run.defaults,
+                         upgrade=run.upgrade)
+  pi = dataclasses.replace(config, rl=dataclasses.replace(config.rl, kl_controller="pi"))
+  other = pipeline.saved_run(pi, "data.jsonl")
+  with pytest.raises(ValueError, match="rl.kl_controller: saved 'adaptive', now 'pi'"):
+    ckpt.check_same_config(str(tmp_path), other.section, other.config_json, other.defaults,
+                           upgrade=other.upgrade)
 
 
 def test_apg_config_saved_without_lr_schedule_keeps_how_it_decayed():

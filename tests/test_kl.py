@@ -92,3 +92,83 @@ def test_fixed_controller_and_validation():
     kl.fixed_kl_controller(-1)
   with pytest.raises(ValueError, match="'k4'"):
     kl.kl_estimate(jnp.zeros(1), jnp.zeros(1), "k4")
+
+
+def test_pi_controller_gold():
+  # beta0 = 0.1, target 2, kp = 0.5, ki = 0.2, max_error = 1:
+  #   KL = 2e:     e = log(e) = 1,  I = 1     -> beta = 0.1 * exp(0.5 + 0.2)       = 0.2013753
+  #   KL = 2:      e = 0,           I = 1     -> beta = 0.1 * exp(0.2)             = 0.1221403
+  #   KL = 2e^-3:  e = clip(-3) = -1, I = 0   -> beta = 0.1 * exp(-0.5)            = 0.0606531
+  #   KL = 0:      e = -1 (clipped), I = -1   -> beta = 0.1 * exp(-0.5 - 0.2)      = 0.0496585
+  ctrl = kl.pi_kl_controller(0.1, target=2.0)
+  s = ctrl.init()
+  expected = [(2 * np.e, 0.2013753, 1.0), (2.0, 0.1221403, 1.0), (2 * np.exp(-3), 0.0606531, 0.0),
+              (0.0, 0.0496585, -1.0)]
+  for current, beta, integral in expected:
+    s = jax.jit(ctrl.update)(s, current, 16)
+    np.testing.assert_allclose(s.kl_coef, beta, rtol=1e-6)
+    np.testing.assert_allclose(s.integral, integral, atol=1e-6)
+  assert s.kl_coef.dtype == jnp.float32
+  s = ctrl.update(s, float("nan"), 16)  # a NaN KL counts as no error
+  np.testing.assert_allclose(s.integral, -1.0)
+  for _ in range(3):  # anti-windup: the integral stops at -2 (beta at 0.1 * exp(-0.5 - 0.4))
+    s = ctrl.update(s, 0.0, 16)
+  np.testing.assert_allclose(s.integral, -2.0)
+  np.testing.assert_allclose(s.kl_coef, 0.1 * np.exp(-0.9), rtol=1e-6)
+
+
+def _closed_loop(ctrl, steps=200, beta0=0.1, drift=6.0, lag=0.7):
+  """A policy whose KL drifts towards ``drift / (1 + 20 beta)`` with a one-step lag."""
+  s, kl_now, kls = ctrl.init(), 0.0, []
+  for _ in range(steps):
+    kl_now = lag * kl_now + (1 - lag) * drift / (1 + 20 * float(s.kl_coef))
+    kls.append(kl_now)
+    s = ctrl.update(s, kl_now, 16)
+  return np.array(kls), float(s.kl_coef)
+
+
+def test_pi_controller_holds_the_target_where_ziegler_does_not():
+  # Uncontrolled (beta 0.1) the KL settles at 6 / 3 = 2 nats too high for a target of 1.
+  kls_pi, beta_pi = _closed_loop(kl.pi_kl_controller(0.1, target=1.0))
+  kls_zi, _ = _closed_loop(kl.adaptive_kl_controller(0.1, target=1.0, horizon=320))
+  after = slice(20, None)  # the first 10% of steps
+  assert np.all(kls_pi[after] <= 1.5) and np.all(kls_pi[after] >= 1 / 1.5), kls_pi[after].max()
+  np.testing.assert_allclose(kls_pi[-1], 1.0, rtol=1e-3)  # no steady-state error
+  np.testing.assert_allclose(beta_pi, 0.25, rtol=1e-2)  # 6 / (1 + 20 beta) = 1
+  assert kls_zi[after].max() > 1.5  # the adaptive controller is still above 1.5x at step 20
+
+
+def test_make_kl_controller_and_validation():
+  assert isinstance(kl.make_kl_controller("pi", 0.1, target=2.0, horizon=10).init(),
+                    kl.PIKLControllerState)
+  s = kl.make_kl_controller("adaptive", 0.1, target=6.0, horizon=10_000).update(
+      kl.KLControllerState(jnp.float32(0.1)), 9.0, 1000)
+  np.testing.assert_allclose(s.kl_coef, 0.102, rtol=1e-6)
+  with pytest.raises(ValueError, match="'pid'"):
+    kl.make_kl_controller("pid", 0.1, target=2.0, horizon=10)
+  with pytest.raises(ValueError, match="init_kl_coef must be > 0 for the PI controller"):
+    kl.pi_kl_controller(0.0, target=2.0)
+  with pytest.raises(ValueError, match=r"integral_range must satisfy low <= 0 <= high, got \(1, 2\)"):
+    kl.pi_kl_controller(0.1, target=2.0, integral_range=(1, 2))
+  with pytest.raises(ValueError, match="kp and ki must be >= 0 and not both 0"):
+    kl.pi_kl_controller(0.1, target=2.0, kp=0.0, ki=0.0)
+
+
+def test_kl_plot_draws_the_rl_records_and_skips_a_run_without_them(tmp_path):
+  import dataclasses
+  import json
+
+  from rljax.alignment import kl_plot, rlhf_config
+
+  config = dataclasses.replace(rlhf_config.RLHFConfig(), kl_controller="pi", kl_target=2.0)
+  path = tmp_path / "metrics.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in [
+      {"stage": "sft", "step": 1, "sft/loss": 1.0},
+      *({"stage": "rl", "step": i, "kl": 0.5 * i, "kl_coef": 0.1} for i in range(1, 6))]))
+  out = tmp_path / "kl.png"
+  assert kl_plot.write_kl_plot(str(path), str(out), config) == str(out)
+  assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  path.write_text(json.dumps({"stage": "sft", "step": 1}) + "\n")
+  assert kl_plot.write_kl_plot(str(path), str(tmp_path / "none.png"), config) is None
+  assert kl_plot.write_kl_plot(str(tmp_path / "missing.jsonl"), str(out), config) is None
+  assert not (tmp_path / "none.png").exists()

@@ -119,7 +119,7 @@ def test_beta0_skips_the_reference_pass_without_changing_the_update():
   kw = dict(algo="grpo", group_size=4, prompts_per_step=4, kl_coef=0.0,
             ppo=ppo.PPOConfig(num_epochs=1, num_minibatches=2))
   skip = _trainer(**kw)
-  keep = _trainer(adaptive_kl=True, **kw)
+  keep = _trainer(kl_controller="adaptive", **kw)
   assert not skip.config.uses_reference and keep.config.uses_reference
   def no_reference(*args):
     raise AssertionError("the reference model ran at beta = 0")

@@ -73,7 +73,7 @@ def _run_and_check(tr, caplog, inject=None):
 @pytest.mark.slow
 def test_nan_reward_fn_is_skipped_counted_and_warned(caplog):
   # Adaptive KL: the controller's state must not move at the skipped step either.
-  tr = _trainer(algo="ppo", num_steps=3, adaptive_kl=True, reward_fn=_nan_reward_at(K))
+  tr = _trainer(algo="ppo", num_steps=3, kl_controller="adaptive", reward_fn=_nan_reward_at(K))
   _run_and_check(tr, caplog)
 
 

@@ -91,8 +91,9 @@ def test_asynchronous_run_writes_timeline_policy_lag_and_overlap(reference_run):
   """``train_rlhf.py --max_staleness=1 --logdir=D``: D/timeline.png, a per-step
   ``rollout/policy_lag_max`` in D/metrics.jsonl (batch 1 from the starting weights, then one
   update old) and the overlap figures in D/summary.json."""
-  with open(os.path.join(reference_run, "timeline.png"), "rb") as f:
-    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  for picture in ("timeline.png", "kl.png"):  # kl.png: the KL to the reference per step
+    with open(os.path.join(reference_run, picture), "rb") as f:
+      assert f.read(8) == b"\x89PNG\r\n\x1a\n", picture
   lags = [r["rollout/policy_lag_max"]
           for r in checkpointing.rl_history(os.path.join(reference_run, "metrics.jsonl"))]
   assert lags == [0.0] + [1.0] * (LAST_STEP - 1)
@@ -205,7 +206,7 @@ def test_same_seed_gives_identical_rollouts_and_metrics():
 
   from rljax import ppo
 
-  tr = _trainer(algo="ppo", num_steps=2, adaptive_kl=True,
+  tr = _trainer(algo="ppo", num_steps=2, kl_controller="adaptive",
                 ppo=ppo.PPOConfig(num_epochs=1, num_minibatches=2))
   init = checkpointing.state_items(tr.state)
   init = tuple({k: np.array(v) for k, v in item.items()} for item in init)

@@ -12,6 +12,8 @@ Formats read (JSON lines, ``.jsonl`` or gzip-compressed ``.jsonl.gz``, one objec
 * **SFT**: ``{"prompt": P, "response": R}`` (or ``"completion"``), or HH-RLHF/preference lines,
   whose ``chosen`` side is used.
 
+Files are read as users save them: gzip is recognised by its content (whatever the name), a
+UTF-8 byte-order mark is skipped, and Windows (``\\r\\n``) line endings read as ``\\n``.
 Errors are :class:`DataError` (a ``ValueError``) naming the file and 1-based line number: bad
 JSON, invalid UTF-8, a missing key (named), a dialogue without a shared assistant prefix, and
 an empty file.
@@ -70,8 +72,22 @@ class SFTExample:
 # ----------------------------------------------------------------------------------------------
 
 
+_GZIP_MAGIC = b"\x1f\x8b"
+_UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def _is_gzip(path: str) -> bool:
+  """Whether ``path`` starts with gzip's magic bytes (a ``.gz`` name is not needed)."""
+  with open(path, "rb") as f:
+    return f.read(2) == _GZIP_MAGIC
+
+
 def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
-  """Yields ``(line_number, object)`` from a ``.jsonl`` or ``.jsonl.gz`` file; blank lines skip.
+  """Yields ``(line_number, object)`` from a JSON-lines file; blank lines skip.
+
+  The file may be gzip-compressed (recognised by its first bytes, with or without a ``.gz``
+  name), start with a UTF-8 byte-order mark, and end its lines with ``\\r\\n``: each reads as
+  the same objects as the plain ``\\n``-terminated UTF-8 file.
 
   Raises:
     FileNotFoundError: the file does not exist.
@@ -85,9 +101,11 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
     found = sorted(f for f in os.listdir(path) if f.endswith((".jsonl", ".jsonl.gz")))
     raise DataError(f"{path} is a directory; expected a .jsonl or .jsonl.gz file"
                     + (f" (it holds {', '.join(found[:5])})" if found else ""))
-  opener = gzip.open if path.endswith(".gz") else open
+  opener = gzip.open if _is_gzip(path) else open
   with opener(path, "rb") as f:
     for lineno, raw in enumerate(f, start=1):
+      if lineno == 1 and raw.startswith(_UTF8_BOM):
+        raw = raw[len(_UTF8_BOM):]
       try:
         line = raw.decode("utf-8")
       except UnicodeDecodeError as e:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from rljax.alignment import checkpointing, rl_stage, rlhf, sft, stages
+from rljax.alignment import checkpointing, reward_functions, rl_stage, rlhf, sft, stages
 from rljax.alignment.layout import check_placement, train_layout
 from rljax.alignment.pipeline_config import EmbeddedConfig, tiny_lm_config
 from rljax.alignment.runs import make_writer, prepare, say_if_finished, sft_stage
@@ -38,6 +38,43 @@ def greedy_accuracy(model, tokenizer, prompt_texts, *, max_new_tokens: int) -> f
   hits = [arithmetic.addition_score(p, tokenizer.decode(row[:n])) == 1.0
           for p, row, n in zip(prompt_texts, out.tokens, out.lengths)]
   return float(np.mean(hits))
+
+
+def rl_task(config: EmbeddedConfig, task: arithmetic.AdditionTask,
+            tokenizer: arithmetic.CharTokenizer) -> tuple[list[str], rlhf.RewardFn]:
+  """The RL stage's prompt texts and reward: ``config.prompts``' prompts (else 5,000 generated
+  addition problems) and ``config.reward_fn`` over that file's columns (else
+  :func:`rljax.envs.text.arithmetic.addition_reward`).
+
+  Raises:
+    FileNotFoundError, rljax.envs.text.data.DataError: a missing or broken prompt file.
+    ValueError: a prompt with a character the tokenizer lacks (its file, line and character
+      named).
+    rljax.alignment.reward_functions.RewardFunctionError: a ``reward_fn`` that cannot be loaded.
+  """
+  if config.prompts is None:
+    prompts, fields = task.prompts(5_000, config.seed + 3), {}
+  else:
+    loaded = reward_functions.load_prompt_file(config.prompts)
+    prompts, fields = loaded.prompts, loaded.fields
+    for i, p in enumerate(prompts):
+      try:
+        tokenizer.encode(p)
+      except ValueError as e:
+        raise ValueError(f"{config.prompts}: prompt {i + 1} ({p!r}): {e}; the embedded model "
+                         f"reads additions only (give --preference_data and --model for "
+                         f"other text)") from None
+  if config.reward_fn is None:
+    return prompts, arithmetic.addition_reward
+  fn = reward_functions.load_function(config.reward_fn)
+  return prompts, reward_functions.ColumnReward(fn, fields, name=config.reward_fn)
+
+
+def check_rl_task(config: EmbeddedConfig) -> None:
+  """Loads ``config``'s prompt file and reward function (`rl_task`), so that a bad one fails
+  before anything compiles. Raises as `rl_task`."""
+  rl_task(config, arithmetic.AdditionTask(max_operand=config.max_operand),
+          arithmetic.CharTokenizer())
 
 
 def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress: bool = False,
@@ -136,10 +173,10 @@ def run_embedded(config: EmbeddedConfig, *, logdir: str | None = None, progress:
       writer.close()
     return dict(accuracy_before=acc_before, wall_s=time.perf_counter() - t0,
                 pretrain_s=t_pre - t0, sft_s=t_sft - t_pre)
-  train_prompts = task.prompts(5_000, s + 3)
+  train_prompts, reward_fn = rl_task(config, task, tok)
   trainer = rlhf.RLHFTrainer(config.rl, actor=model, tokenizer=tok,
                              prompts=[tok.encode(p) for p in train_prompts],
-                             prompt_texts=train_prompts, reward_fn=arithmetic.addition_reward,
+                             prompt_texts=train_prompts, reward_fn=reward_fn,
                              placement=placement)
 
   history, resumed_from = rl_stage.run_rl(

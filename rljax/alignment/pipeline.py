@@ -13,7 +13,7 @@ with (`rljax.alignment.rl_stage`), summaries (`rljax.alignment.summary`) and dev
 (`rljax.alignment.layout`).
 """
 
-from rljax.alignment.embedded import greedy_accuracy, run_embedded
+from rljax.alignment.embedded import check_rl_task, greedy_accuracy, run_embedded
 from rljax.alignment.hf_models import (HF_MODEL_DIR, check_hf_folders, export_hf_model,
                                        load_pretrained, load_reward_model)
 from rljax.alignment.layout import PLACEMENTS, check_placement, make_placement, train_layout
@@ -29,7 +29,7 @@ from rljax.alignment.summary import (finished_summary, history_summary, nats, rl
 
 __all__ = [
     "EmbeddedConfig", "HF_MODEL_DIR", "MIN_HELD_OUT", "PLACEMENTS", "PRETRAINED_LEARNING_RATES",
-    "PreferenceConfig", "check_hf_folders", "check_inputs", "check_placement",
+    "PreferenceConfig", "check_hf_folders", "check_rl_task", "check_inputs", "check_placement",
     "check_prompt_lengths", "default_rl_config", "export_hf_model", "finished_summary",
     "fresh_tokenizer", "greedy_accuracy", "held_out_note", "history_summary", "load_pretrained",
     "load_reward_model", "make_placement", "nats", "normalize_reward_head", "preference_defaults",

@@ -31,6 +31,12 @@ class EmbeddedConfig:
       the summary's accuracies are then NaN).
     rl: the RL configuration (its ``algo`` is the script's ``--algo``).
     seed: model init and data seed.
+    prompts: a JSONL(.gz) prompt file (``prompt`` plus any other columns) whose prompts RL
+      trains on instead of the task's own (`rljax.alignment.reward_functions.load_prompt_file`);
+      its characters must be the character tokenizer's. None: generated addition problems.
+    reward_fn: ``package.module:function`` (or ``file.py:function``) scoring the responses,
+      ``fn(responses, **columns) -> list[float]`` (`rljax.alignment.reward_functions`), instead
+      of the addition task's exact-match reward. None: the addition reward.
   """
 
   max_operand: int = 20
@@ -46,6 +52,8 @@ class EmbeddedConfig:
   num_eval_prompts: int = 256
   rl: RLHFConfig = dataclasses.field(default_factory=lambda: default_rl_config("ppo"))
   seed: int = 0
+  prompts: str | None = None
+  reward_fn: str | None = None
 
   def __post_init__(self):
     for name in ("max_operand", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -158,7 +166,7 @@ class PreferenceConfig:
   normalize_reward: bool = True
   reward_norm_samples: int = 256
   rl: RLHFConfig = dataclasses.field(default_factory=lambda: RLHFConfig(
-      max_new_tokens=32, actor_lr=5e-5, critic_lr=5e-4, kl_coef=0.1, adaptive_kl=True,
+      max_new_tokens=32, actor_lr=5e-5, critic_lr=5e-4, kl_coef=0.1, kl_controller="adaptive",
       kl_target=2.0, kl_horizon=320, critic_init="reward", missing_eos_penalty=0.5))
   limit: int | None = None
   seed: int = 0
@@ -220,8 +228,15 @@ def preference_defaults(model: str | None = None) -> PreferenceConfig:
 
 def upgrade_saved_config(saved: dict[str, Any]) -> dict[str, Any]:
   """A saved pipeline config in today's layout: the preference pipeline's pre-training rate,
-  saved as ``lr`` by earlier versions, is ``pretrain_lr``."""
+  saved as ``lr`` by earlier versions, is ``pretrain_lr``; the RL config's ``adaptive_kl``
+  (true/false) is ``kl_controller`` (``"adaptive"``/``"fixed"``)."""
   if "lr" in saved and "pretrain_lr" not in saved:
     saved = {("pretrain_lr" if k == "lr" else k): v for k, v in saved.items()}
+  rl = saved.get("rl")
+  if isinstance(rl, dict) and "adaptive_kl" in rl:
+    rl = dict(rl)
+    adaptive = rl.pop("adaptive_kl")
+    rl.setdefault("kl_controller", "adaptive" if adaptive else "fixed")
+    saved = {**saved, "rl": rl}
   return saved
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rljax import runtime
-from rljax.alignment import checkpointing, rlhf, summary, timeline
+from rljax.alignment import checkpointing, kl_plot, rlhf, summary, timeline
 
 
 def run_rl(trainer: rlhf.RLHFTrainer, logdir: str | None, *, use_ckpt: bool, writer,
@@ -23,7 +23,8 @@ def run_rl(trainer: rlhf.RLHFTrainer, logdir: str | None, *, use_ckpt: bool, wri
   `rljax.alignment.rlhf.RLHFTrainer.train` (``resumed_from`` is then None). The first step,
   every ``show_every``-th and the last go to ``log`` as `rljax.alignment.summary.rl_step_line`.
   With a ``logdir`` the steps run here are drawn to ``<logdir>/timeline.png``
-  (`rljax.alignment.timeline`; also when the run stops early).
+  (`rljax.alignment.timeline`; also when the run stops early), and the whole run's KL and
+  ``beta`` to ``<logdir>/kl.png`` (`rljax.alignment.kl_plot`; where a reference is used).
   """
   num_steps = trainer.config.num_steps
 
@@ -41,6 +42,8 @@ def run_rl(trainer: rlhf.RLHFTrainer, logdir: str | None, *, use_ckpt: bool, wri
     if runtime.is_primary():
       timeline.write_timeline(trainer.timeline, os.path.join(logdir, "timeline.png"),
                               title=_title(trainer.config))
+      if trainer.config.uses_reference and writer is not None:
+        kl_plot.write_kl_plot(writer.jsonl_path, os.path.join(logdir, "kl.png"), trainer.config)
   if resumed_from is not None:  # the whole RL history, from before the resume too
     history = checkpointing.rl_history(writer.jsonl_path, history)
   return history, resumed_from

@@ -79,12 +79,18 @@ __all__ = ["Algorithm", "CriticInit", "KLPlacement", "NonFiniteHalt", "RLHFConfi
 
 @dataclasses.dataclass
 class Samples:
-  """What a programmatic reward function receives (``B`` rows, responses cut at their mask)."""
+  """What a programmatic reward function receives (``B`` rows, responses cut at their mask).
+
+  ``prompt_index``: each row's index into the trainer's ``prompts`` (rows of a group share
+  one); ``step``: the RL step (1-based) the batch is trained in.
+  """
 
   prompt_text: list[str]
   response_text: list[str]
   prompt_ids: list[list[int]]
   response_ids: list[list[int]]
+  prompt_index: list[int] = dataclasses.field(default_factory=list)
+  step: int = 0
 
 
 RewardFn = Callable[[Samples], Sequence[float] | np.ndarray]
@@ -194,10 +200,8 @@ class RLHFTrainer:
     labels = {k: jax.tree.map(lambda _: k, v) for k, v in trained.items()}
     self.optimizer = optax.multi_transform(
         {"actor": role_opt(config.actor_lr), "critic": role_opt(config.critic_lr)}, labels)
-    self.kl_controller = (
-        kl_lib.adaptive_kl_controller(config.kl_coef, target=config.kl_target,
-                                      horizon=config.kl_horizon)
-        if config.adaptive_kl else kl_lib.fixed_kl_controller(config.kl_coef))
+    self.kl_controller = kl_lib.make_kl_controller(
+        config.kl_controller, config.kl_coef, target=config.kl_target, horizon=config.kl_horizon)
     self.state = RLHFState(
         ppo.PPOState(trained, self.optimizer.init(trained)), self.kl_controller.init(), 0,
         text_data.init_data_position(config.seed), jax.random.key(config.seed))
@@ -237,14 +241,15 @@ class RLHFTrainer:
 
   # ---- phases --------------------------------------------------------------------------------
 
-  def _scores(self, prompt_ids, out, rows) -> np.ndarray:
+  def _scores(self, prompt_ids, out, rows, step: int) -> np.ndarray:
     mask = out.response_mask
     if self.reward_fn is not None:
       resp_ids = [row[:int(n)].tolist() for row, n in zip(out.tokens, out.lengths)]
       texts = self.tokenizer_decode(resp_ids)
       prompt_text = ([self.prompt_texts[i] for i in rows] if self.prompt_texts is not None
                      else self.tokenizer_decode(prompt_ids))
-      samples = Samples(list(prompt_text), texts, [list(p) for p in prompt_ids], resp_ids)
+      samples = Samples(list(prompt_text), texts, [list(p) for p in prompt_ids], resp_ids,
+                        prompt_index=[int(i) for i in rows], step=step)
       scores = np.asarray(self.reward_fn(samples), np.float32)
       if scores.shape != (len(prompt_ids),):
         raise ValueError(f"reward_fn returned shape {scores.shape}, expected ({len(prompt_ids)},)")
@@ -424,7 +429,7 @@ class RLHFTrainer:
     timing["timing/reference"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    raw_scores = self._scores(prompt_ids, out, plan.rows)
+    raw_scores = self._scores(prompt_ids, out, plan.rows, plan.index + 1)
     scores = raw_scores.copy()
     if cfg.missing_eos_penalty is not None:
       scores += np.asarray(losses.missing_eos_penalty(

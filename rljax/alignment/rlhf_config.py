@@ -69,7 +69,11 @@ class RLHFConfig:
     kl_coef: initial ``beta`` (>= 0).
     kl_estimator: ``k1``, ``k2`` or ``k3`` (:class:`rljax.kl.KLEstimator`).
     kl_placement: ``reward`` or ``loss`` (:class:`KLPlacement`).
-    adaptive_kl: use Ziegler et al.'s adaptive controller with ``kl_target``/``kl_horizon``.
+    kl_controller: what sets ``beta`` after each step (:class:`rljax.kl.KLControl` or its
+      value): ``fixed`` (``kl_coef`` throughout), ``adaptive`` (Ziegler et al.'s controller
+      with ``kl_target``/``kl_horizon``) or ``pi`` (a proportional-integral controller that
+      holds ``kl_target``; :func:`rljax.kl.pi_kl_controller`, which needs ``kl_coef > 0``).
+    kl_target: the target KL of ``adaptive`` and ``pi``, in nats per response (> 0).
     gamma, gae_lambda: GAE (PPO) and REINFORCE++ discount.
     ppo: the shared :class:`rljax.ppo.PPOConfig` (clip, clip-higher, epochs, minibatches,
       aggregation). ``vf_coef`` weights the critic loss.
@@ -129,7 +133,7 @@ class RLHFConfig:
   kl_coef: float = 0.05
   kl_estimator: kl_lib.KLEstimator = kl_lib.KLEstimator.K1
   kl_placement: KLPlacement = KLPlacement.REWARD
-  adaptive_kl: bool = False
+  kl_controller: kl_lib.KLControl = kl_lib.KLControl.FIXED
   kl_target: float = 1.0
   kl_horizon: int = 10_000
   gamma: float = 1.0
@@ -153,6 +157,8 @@ class RLHFConfig:
     object.__setattr__(self, "kl_estimator",
                        _enum(kl_lib.KLEstimator, self.kl_estimator, "kl_estimator"))
     object.__setattr__(self, "critic_init", _enum(CriticInit, self.critic_init, "critic_init"))
+    object.__setattr__(self, "kl_controller",
+                       _enum(kl_lib.KLControl, self.kl_controller, "kl_controller"))
     object.__setattr__(self, "stop_ids", tuple(int(s) for s in self.stop_ids))
     for name in ("num_steps", "prompts_per_step", "group_size", "max_new_tokens", "kl_horizon"):
       if getattr(self, name) < 1:
@@ -164,6 +170,9 @@ class RLHFConfig:
         raise ValueError(f"{name} must be > 0, got {getattr(self, name)}.")
     if self.kl_coef < 0:
       raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}.")
+    if self.kl_controller is kl_lib.KLControl.PI and not self.kl_coef > 0:
+      raise ValueError(f"kl_controller='pi' needs kl_coef > 0 (it scales beta by factors), got "
+                       f"{self.kl_coef}.")
     nonfinite.check_policy(self.nonfinite)
     if self.compute_dtype not in (None, "float32", "bfloat16"):
       raise ValueError(
@@ -206,7 +215,7 @@ class RLHFConfig:
   @property
   def uses_reference(self) -> bool:
     """False when ``kl_coef == 0`` with a fixed controller: no KL term, no reference pass."""
-    return self.kl_coef > 0 or self.adaptive_kl
+    return self.kl_coef > 0 or self.kl_controller is not kl_lib.KLControl.FIXED
 
   @property
   def uses_critic(self) -> bool:
