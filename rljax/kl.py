@@ -209,7 +209,7 @@ class PIKLControllerState(NamedTuple):
 
 def pi_kl_controller(init_kl_coef: float, *, target: float, kp: float = 0.5, ki: float = 0.2,
                      max_error: float = 1.0,
-                     integral_range: tuple[float, float] = (-2.0, 10.0)) -> KLController:
+                     integral_range: tuple[float, float] = (-0.5, 10.0)) -> KLController:
   r"""A proportional-integral (PI) controller on ``log beta`` that holds ``KL`` at ``target``.
 
   ::
@@ -232,9 +232,9 @@ def pi_kl_controller(init_kl_coef: float, *, target: float, kp: float = 0.5, ki:
   ``exp((kp + ki) * max_error)`` in a step. The integral is clamped (anti-windup): a run
   starts at the reference, with a KL far below any target, and an unclamped integral would
   pile up those first steps' errors and let the KL overshoot for as many steps as it takes to
-  unwind them. The default range lets ``beta`` fall to ``exp(-0.4) = 0.67`` of its start by the
-  integral (a KL below the target needs no urgent correction) and rise to ``exp(2) = 7.4``
-  times it.
+  unwind them. The default range lets ``beta`` fall to ``exp(-0.1) = 0.90`` of its start by the
+  integral (a KL below the target needs no correction: the target acts as a limit, as a
+  constraint's multiplier does) and rise to ``exp(2) = 7.4`` times it.
 
   Args:
     init_kl_coef: starting ``beta`` (> 0: the controller works on its logarithm).

@@ -99,22 +99,27 @@ def test_pi_controller_gold():
   #   KL = 2e:     e = log(e) = 1,  I = 1     -> beta = 0.1 * exp(0.5 + 0.2)       = 0.2013753
   #   KL = 2:      e = 0,           I = 1     -> beta = 0.1 * exp(0.2)             = 0.1221403
   #   KL = 2e^-3:  e = clip(-3) = -1, I = 0   -> beta = 0.1 * exp(-0.5)            = 0.0606531
-  #   KL = 0:      e = -1 (clipped), I = -1   -> beta = 0.1 * exp(-0.5 - 0.2)      = 0.0496585
+  #   KL = 0:      e = -1 (clipped), I = clamp(-1) = -0.5 (anti-windup)
+  #                                           -> beta = 0.1 * exp(-0.5 - 0.1)      = 0.0548812
   ctrl = kl.pi_kl_controller(0.1, target=2.0)
   s = ctrl.init()
   expected = [(2 * np.e, 0.2013753, 1.0), (2.0, 0.1221403, 1.0), (2 * np.exp(-3), 0.0606531, 0.0),
-              (0.0, 0.0496585, -1.0)]
+              (0.0, 0.0548812, -0.5)]
   for current, beta, integral in expected:
     s = jax.jit(ctrl.update)(s, current, 16)
     np.testing.assert_allclose(s.kl_coef, beta, rtol=1e-6)
     np.testing.assert_allclose(s.integral, integral, atol=1e-6)
   assert s.kl_coef.dtype == jnp.float32
   s = ctrl.update(s, float("nan"), 16)  # a NaN KL counts as no error
-  np.testing.assert_allclose(s.integral, -1.0)
-  for _ in range(3):  # anti-windup: the integral stops at -2 (beta at 0.1 * exp(-0.5 - 0.4))
-    s = ctrl.update(s, 0.0, 16)
-  np.testing.assert_allclose(s.integral, -2.0)
-  np.testing.assert_allclose(s.kl_coef, 0.1 * np.exp(-0.9), rtol=1e-6)
+  np.testing.assert_allclose(s.integral, -0.5)
+  np.testing.assert_allclose(s.kl_coef, 0.1 * np.exp(-0.1), rtol=1e-6)
+  for _ in range(3):  # the upper clamp: 10 (beta at most 0.1 * exp(0.5 + 2))
+    s = ctrl.update(s, 1e9, 16)
+  np.testing.assert_allclose(s.integral, 2.5)
+  for _ in range(10):
+    s = ctrl.update(s, 1e9, 16)
+  np.testing.assert_allclose(s.integral, 10.0)
+  np.testing.assert_allclose(s.kl_coef, 0.1 * np.exp(2.5), rtol=1e-6)
 
 
 def _closed_loop(ctrl, steps=200, beta0=0.1, drift=6.0, lag=0.7):
