@@ -180,6 +180,7 @@ def _tiny(**kw):
                                  num_eval_prompts=0, **kw)
 
 
+@pytest.mark.slow
 def test_reward_fn_and_prompt_file_equal_the_programmatic_reward(tmp_path):
   # The prompt file holds the embedded task's own RL prompts, and the function scores them as
   # the built-in addition reward does: every RL metric equals the default run's, bit for bit.
@@ -195,6 +196,7 @@ def test_reward_fn_and_prompt_file_equal_the_programmatic_reward(tmp_path):
   assert len(default) == 3 and all(np.isfinite(r["reward/mean"]) for r in default)
 
 
+@pytest.mark.slow
 def test_script_stops_on_a_function_with_the_wrong_count(tmp_path):
   prompts = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"{i}+{i}=", "answer": str(2 * i)}
                                                 for i in range(8)])
