@@ -197,14 +197,15 @@ def test_reward_fn_and_prompt_file_equal_the_programmatic_reward(tmp_path):
 
 
 @pytest.mark.slow
-def test_script_stops_on_a_function_with_the_wrong_count(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--max_staleness=1"]])  # scored on the generator thread
+def test_script_stops_on_a_function_with_the_wrong_count(tmp_path, extra):
   prompts = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"{i}+{i}=", "answer": str(2 * i)}
                                                 for i in range(8)])
   (tmp_path / "short.py").write_text("def fn(responses, answer):\n  return [1.0]\n")
   out = subprocess.run(
       [sys.executable, SCRIPT, f"--reward_fn={tmp_path}/short.py:fn", f"--prompts={prompts}",
        "--num_steps=2", "--pretrain_steps=0", "--sft_steps=0", "--num_eval_prompts=0",
-       "--prompts_per_step=4", f"--logdir={tmp_path}/run"],
+       "--prompts_per_step=4", f"--logdir={tmp_path}/run", *extra],
       capture_output=True, text=True, timeout=300)
   assert out.returncode == 2, out.stderr[-2000:]
   assert "Traceback" not in out.stderr, out.stderr[-2000:]

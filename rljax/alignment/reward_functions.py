@@ -149,7 +149,7 @@ class ColumnReward:
       raise RewardFunctionError(f"{where} returned {type(out).__name__} {_short(out)}; expected "
                                 f"a list of {b} floats, one per response") from None
     if scores.shape != (b,):
-      raise RewardFunctionError(f"{where} returned {_count(out, scores)} for {b} responses; "
+      raise RewardFunctionError(f"{where} returned {_count(scores)} for {b} responses; "
                                 f"expected a list of {b} floats, one per response")
     bad = np.flatnonzero(~np.isfinite(scores))
     if bad.size:
@@ -160,7 +160,7 @@ class ColumnReward:
     return scores.astype(np.float32)
 
 
-def _count(out, scores) -> str:
+def _count(scores) -> str:
   if scores.ndim == 1:
     return f"{scores.shape[0]} value{'s' if scores.shape[0] != 1 else ''}"
   return f"an array of shape {scores.shape}"

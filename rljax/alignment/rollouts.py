@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from rljax.alignment import reward_functions
 from rljax.envs.text import data as text_data
 from rljax.sampling import SampleOutput
 
@@ -144,6 +145,8 @@ class Generator:
     Raises:
       GeneratorError: the generator raised while making it (the cause is chained), or batch
         ``index`` was never submitted.
+      rljax.alignment.reward_functions.RewardFunctionError: a reward function named on the
+        command line failed while scoring it (a user error, reported as in a synchronous run).
     """
     if not self._pending or self._pending[0][0] != index:
       queued = [i for i, _ in self._pending]
@@ -153,8 +156,8 @@ class Generator:
     t = time.perf_counter()
     try:
       rollout = future.result()
-    except GeneratorError:  # already names the generator and the step (a remote generator)
-      raise
+    except (GeneratorError, reward_functions.RewardFunctionError):
+      raise  # already named with the step: a remote generator, or a user's reward function
     except Exception as e:
       raise GeneratorError(f"the generator failed on the batch of RL step {index + 1}: "
                            f"{type(e).__name__}: {e}") from e
