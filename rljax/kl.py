@@ -32,7 +32,7 @@ The KL controllers are ``(init, update)`` pairs with a NamedTuple state holding 
 like optax transformations: :func:`fixed_kl_controller`, :func:`adaptive_kl_controller`
 (Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences",
 arXiv:1909.08593, Sec. 2.2) and :func:`pi_kl_controller`, a proportional-integral controller
-on ``log(KL / target)`` that holds its target. `KLControl` names them and
+on ``log(KL / target)`` that holds its target. `KL_CONTROLLERS` names them and
 `make_kl_controller` builds one by name.
 """
 
@@ -283,17 +283,24 @@ class KLControl(enum.Enum):
   PI = "pi"              # pi_kl_controller
 
 
+# The controllers by name, each built from ``(kl_coef, target, horizon)``: a new one adds a
+# `KLControl` value and an entry here.
+KL_CONTROLLERS: Mapping[KLControl, Callable[[float, float, int], KLController]] = (
+    types.MappingProxyType({
+        KLControl.FIXED: lambda kl_coef, target, horizon: fixed_kl_controller(kl_coef),
+        KLControl.ADAPTIVE: lambda kl_coef, target, horizon: adaptive_kl_controller(
+            kl_coef, target=target, horizon=horizon),
+        KLControl.PI: lambda kl_coef, target, horizon: pi_kl_controller(kl_coef, target=target),
+    }))
+
+
 def make_kl_controller(kind: KLControl | str, kl_coef: float, *, target: float,
                        horizon: int) -> KLController:
-  """The controller ``kind`` (`KLControl` or its value) started at ``kl_coef``; ``target``
-  (nats per sequence) is used by ``adaptive`` and ``pi``, ``horizon`` (samples) by ``adaptive``.
+  """The controller ``kind`` (`KLControl` or its value; `KL_CONTROLLERS`) started at
+  ``kl_coef``; ``target`` (nats per sequence) is used by ``adaptive`` and ``pi``, ``horizon``
+  (samples) by ``adaptive``.
 
   Raises:
     ValueError: an unknown ``kind``, or the controller's own argument errors.
   """
-  kind = KLControl(kind)
-  if kind is KLControl.ADAPTIVE:
-    return adaptive_kl_controller(kl_coef, target=target, horizon=horizon)
-  if kind is KLControl.PI:
-    return pi_kl_controller(kl_coef, target=target)
-  return fixed_kl_controller(kl_coef)
+  return KL_CONTROLLERS[KLControl(kind)](kl_coef, target, horizon)

@@ -70,6 +70,13 @@ def test_load_function_by_module_or_file(tmp_path, monkeypatch):
   by_module = reward_functions.load_function("my_rewards:f")
   by_file = reward_functions.load_function(f"{tmp_path}/my_rewards.py:f")
   assert by_module(["a", "b"]) == by_file(["a", "b"]) == [1.0, 1.0]
+  # A file runs once per process, however often it is named (the script checks, then trains).
+  runs = tmp_path / "runs.txt"
+  (tmp_path / "counted.py").write_text(f"open({str(runs)!r}, 'a').write('ran\\n')\n"
+                                       "def f(responses):\n  return [0.0] * len(responses)\n")
+  first = reward_functions.load_function(f"{tmp_path}/counted.py:f")
+  assert reward_functions.load_function(f"{tmp_path}/counted.py:f") is first
+  assert runs.read_text() == "ran\n"
   bad = {
       "my_rewards": "expected package.module:function or path/to/file.py:function",
       "no_such_module_xyz:f": "cannot import 'no_such_module_xyz': ModuleNotFoundError",

@@ -29,9 +29,9 @@ from rljax.alignment.summary import (finished_summary, history_summary, nats, rl
 
 __all__ = [
     "EmbeddedConfig", "HF_MODEL_DIR", "MIN_HELD_OUT", "PLACEMENTS", "PRETRAINED_LEARNING_RATES",
-    "PreferenceConfig", "check_hf_folders", "check_rl_task", "check_inputs", "check_placement",
-    "check_prompt_lengths", "default_rl_config", "export_hf_model", "finished_summary",
-    "fresh_tokenizer", "greedy_accuracy", "held_out_note", "history_summary", "load_pretrained",
+    "PreferenceConfig", "check_hf_folders", "check_inputs", "check_placement",
+    "check_prompt_lengths", "check_rl_task", "default_rl_config", "export_hf_model",
+    "finished_summary", "fresh_tokenizer", "greedy_accuracy", "held_out_note", "history_summary", "load_pretrained",
     "load_reward_model", "make_placement", "nats", "normalize_reward_head", "preference_defaults",
     "rl_step_line", "run_embedded", "run_preference", "saved_run", "split_preference_pairs",
     "tiny_lm_config", "train_layout", "write_summary",

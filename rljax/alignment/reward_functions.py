@@ -51,11 +51,15 @@ def load_function(spec: str) -> ColumnFn:
     if module_name.endswith(".py"):
       if not os.path.isfile(module_name):
         raise FileNotFoundError(f"no such file {module_name!r}")
+      # One module per file and process, as `import` keeps one per name: the script's check
+      # and the pipeline then load the same function without running the file twice.
       name = f"rljax_reward_{abs(hash(os.path.abspath(module_name)))}"
-      module_spec = importlib.util.spec_from_file_location(name, module_name)
-      module = importlib.util.module_from_spec(module_spec)
-      sys.modules[name] = module
-      module_spec.loader.exec_module(module)
+      module = sys.modules.get(name)
+      if module is None:
+        module_spec = importlib.util.spec_from_file_location(name, module_name)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        sys.modules[name] = module  # only once it ran: a failed import is retried
     else:
       module = importlib.import_module(module_name)
   except Exception as e:  # any import-time failure of the user's module is named
